@@ -1,0 +1,331 @@
+"""
+The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), whole, in one file.
+Read top to bottom in the order of the paper's section 3: configuration (Table 3), embeddings and
+positional encoding (3.4, 3.5), multi-head attention (3.2), the position-wise feed-forward network
+(3.3), encoder and decoder stacks (3.1), then the training loss (5.4) and decoding (6.1).
+"""
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Config:
+    vocab_size: int = 37000      # joint source+target BPE vocabulary (section 5.1)
+    n_enc_layers: int = 6        # N in Table 3
+    n_dec_layers: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    n_heads: int = 8             # h; d_k = d_v = d_model / h
+    dropout: float = 0.1         # P_drop: sub-layer outputs and embedding sums (5.4)
+    attn_dropout: float = 0.0    # on attention weights; not in the paper, tensor2tensor used 0.1
+    pre_norm: bool = False       # False = the paper's post-norm LayerNorm(x + Sublayer(x))
+    max_len: int = 1024          # longest sequence the positional table covers
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+
+# Table 3 of the paper; any field can be overridden: preset('big', vocab_size=32000).
+PRESETS = {
+    'base': dict(d_model=512, d_ff=2048, n_heads=8, dropout=0.1),
+    'big': dict(d_model=1024, d_ff=4096, n_heads=16, dropout=0.3),
+}
+
+
+def preset(name, **overrides):
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    unknown = set(overrides) - {f.name for f in fields(Config)}
+    if unknown:
+        raise ValueError(f"unknown Config field(s) {sorted(unknown)}")
+    return Config(**{**PRESETS[name], **overrides})
+
+
+def sinusoidal_positions(max_len, d_model):
+    # Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(same angle).
+    pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
+    inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(pos * inv_freq)
+    pe[:, 1::2] = torch.cos(pos * inv_freq)
+    return pe.float()
+
+
+class MultiHeadAttention(nn.Module):
+    """Section 3.2.2. Self-attention projects Q, K, V with one fused matmul; cross-attention
+    projects Q from the decoder and K, V (fused) from the encoder output, once per source."""
+
+    def __init__(self, cfg, cross=False):
+        super().__init__()
+        self.n_heads, self.cross, self.attn_dropout = cfg.n_heads, cross, cfg.attn_dropout
+        d = cfg.d_model
+        if cross:
+            self.q_proj, self.kv_proj = nn.Linear(d, d), nn.Linear(d, 2 * d)
+        else:
+            self.qkv_proj = nn.Linear(d, 3 * d)
+        self.out_proj = nn.Linear(d, d)
+
+    def heads(self, x):  # (B, T, h*d_k) -> (B, h, T, d_k)
+        B, T, C = x.shape
+        return x.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
+
+    def forward(self, x, memory=None, mask=None, causal=False, cache=None):
+        if self.cross:
+            q = self.heads(self.q_proj(x))
+            if cache is not None and 'k' in cache:
+                k, v = cache['k'], cache['v']  # the source does not change while decoding
+            else:
+                k, v = map(self.heads, self.kv_proj(memory).chunk(2, dim=-1))
+                if cache is not None:
+                    cache['k'], cache['v'] = k, v
+        else:
+            q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
+            if cache is not None:
+                if 'k' in cache:
+                    k, v = torch.cat([cache['k'], k], 2), torch.cat([cache['v'], v], 2)
+                cache['k'], cache['v'] = k, v
+                # A single new query may see every cached key; SDPA's is_causal would align the
+                # mask top-left and hide them, so causality comes from the cache itself.
+                causal = causal and q.size(2) > 1
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.attn_dropout if self.training else 0.0)
+        B, h, T, dk = y.shape
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, h * dk))
+
+
+class FeedForward(nn.Module):
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(cfg.d_model, cfg.d_ff), nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x):
+        return self.w2(F.relu(self.w1(x)))
+
+
+def residual(x, sublayer, norm, dropout, pre_norm):
+    # Section 5.4: dropout on each sub-layer's output before it is added to its input.
+    # Post-norm (the paper) normalises the sum; pre-norm normalises the input instead, which keeps an
+    # identity path through the stack and trains deep or high-LR models without careful warmup.
+    if pre_norm:
+        return x + dropout(sublayer(norm(x)))
+    return norm(x + dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn, self.ffn = MultiHeadAttention(cfg), FeedForward(cfg)
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.dropout, self.pre_norm = nn.Dropout(cfg.dropout), cfg.pre_norm
+
+    def forward(self, x, src_mask):
+        x = residual(x, lambda h: self.self_attn(h, mask=src_mask), self.norm1, self.dropout, self.pre_norm)
+        return residual(x, self.ffn, self.norm2, self.dropout, self.pre_norm)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn, self.cross_attn = MultiHeadAttention(cfg), MultiHeadAttention(cfg, cross=True)
+        self.ffn = FeedForward(cfg)
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.dropout, self.pre_norm = nn.Dropout(cfg.dropout), cfg.pre_norm
+
+    def forward(self, x, memory, src_mask, cache=None):
+        self_cache, cross_cache = (None, None) if cache is None else (cache['self'], cache['cross'])
+        x = residual(x, lambda h: self.self_attn(h, causal=True, cache=self_cache),
+                     self.norm1, self.dropout, self.pre_norm)
+        x = residual(x, lambda h: self.cross_attn(h, memory, mask=src_mask, cache=cross_cache),
+                     self.norm2, self.dropout, self.pre_norm)
+        return residual(x, self.ffn, self.norm3, self.dropout, self.pre_norm)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        # Section 3.4: one weight matrix for source embedding, target embedding and the pre-softmax
+        # projection (a joint BPE vocabulary makes the source/target sharing possible).
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.register_buffer('pe', sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
+        # Pre-norm leaves the last residual sum un-normalised, so each stack needs a final LayerNorm.
+        self.enc_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.dec_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # As tensor2tensor and fairseq: Xavier-uniform linear weights (Q, K and V each as their own
+        # d_model x d_model matrix, as if unfused), zero biases, embeddings N(0, d_model^-0.5) so
+        # that after the sqrt(d_model) scaling of section 3.4 they have unit variance.
+        d = self.cfg.d_model
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                for w in m.weight.split(d, dim=0) if m.weight.size(0) > d else [m.weight]:
+                    nn.init.xavier_uniform_(w)
+                nn.init.zeros_(m.bias)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=d ** -0.5)
+
+    def num_params(self):
+        # parameters() yields the shared embedding once; the positional table is a buffer.
+        return sum(p.numel() for p in self.parameters())
+
+    def embed_tokens(self, tokens, start=0):
+        T = tokens.size(1)
+        if start + T > self.cfg.max_len:
+            raise ValueError(f"sequence of length {start + T} exceeds max_len={self.cfg.max_len}")
+        x = self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start:start + T]
+        return self.dropout(x)
+
+    def encode(self, src):
+        """src (B, S) -> memory (B, S, d_model) and the key-padding mask (B, 1, 1, S), True = attend."""
+        src_mask = (src != self.cfg.pad_id)[:, None, None, :]
+        x = self.embed_tokens(src)
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        return self.enc_norm(x), src_mask
+
+    def decode(self, tgt, memory, src_mask, cache=None):
+        """tgt (B, T) -> logits (B, T, vocab). With a cache (from new_cache), tgt holds only the new
+        positions and the keys/values of earlier ones are reused."""
+        start = 0 if cache is None or 'k' not in cache[0]['self'] else cache[0]['self']['k'].size(2)
+        x = self.embed_tokens(tgt, start)
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, memory, src_mask, None if cache is None else cache[i])
+        return F.linear(self.dec_norm(x), self.embed.weight)
+
+    def forward(self, src, tgt):
+        memory, src_mask = self.encode(src)
+        return self.decode(tgt, memory, src_mask)
+
+    def new_cache(self):
+        return [{'self': {}, 'cross': {}} for _ in self.decoder]
+
+
+def reorder_cache(cache, index):
+    # Beam search keeps each sentence's beams together, so only the self-attention history moves;
+    # the cross-attention K/V of a sentence are the same for all its beams.
+    for layer in cache:
+        for name in ('k', 'v'):
+            layer['self'][name] = layer['self'][name].index_select(0, index)
+
+
+def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
+    """Section 5.4. Returns (summed smoothed loss, summed NLL, number of target tokens), all over
+    non-pad targets, so the caller can normalise by tokens across accumulation steps and GPUs.
+    Smoothing spreads eps uniformly over the vocabulary, as tensor2tensor and fairseq do."""
+    logits = logits.reshape(-1, logits.size(-1)).float()
+    target = target.reshape(-1)
+    keep = target != pad_id
+    logp = F.log_softmax(logits[keep], dim=-1)
+    nll = -logp.gather(1, target[keep].unsqueeze(1)).sum()
+    smooth = -logp.mean(dim=-1).sum()
+    return (1.0 - eps) * nll + eps * smooth, nll.detach(), keep.sum()
+
+
+# ------------------------------------------------------------------------------------------------
+# Decoding (section 6.1: beam size 4, length penalty alpha 0.6, max output length input + 50)
+
+def length_penalty(length, alpha):
+    # Wu et al. (2016), as used by the paper: lp(Y) = ((5 + |Y|) / 6)^alpha.
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_lengths(model, src, max_len_a, max_len_b):
+    src_len = (src != model.cfg.pad_id).sum(1)
+    return (max_len_a * src_len + max_len_b).long().clamp(1, model.cfg.max_len - 1)
+
+
+def next_log_probs(model, tokens, memory, src_mask, cache):
+    logp = F.log_softmax(model.decode(tokens, memory, src_mask, cache)[:, -1].float(), dim=-1)
+    # Never generated, but masked after normalising so scores stay the model's own log-probabilities.
+    logp[:, [model.cfg.pad_id, model.cfg.bos_id]] = -math.inf
+    return logp
+
+
+@torch.no_grad()
+def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
+    """Returns, for each sentence, [(tokens without BOS/EOS, summed log-probability)]."""
+    cfg, B = model.cfg, src.size(0)
+    memory, src_mask = model.encode(src)
+    limit = max_lengths(model, src, max_len_a, max_len_b)
+    cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
+    score = torch.zeros(B, device=src.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    for t in range(int(limit.max())):
+        logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
+        best, nxt = logp.max(-1)
+        at_limit = t + 1 >= limit  # the longest output allowed must end here
+        nxt = torch.where(at_limit, cfg.eos_id, nxt)
+        best = torch.where(at_limit, logp[:, cfg.eos_id], best)
+        score += torch.where(done, 0.0, best)
+        nxt = torch.where(done, cfg.pad_id, nxt)
+        tokens = torch.cat([tokens, nxt[:, None]], 1)
+        done |= nxt == cfg.eos_id
+        if done.all():
+            break
+    out = []
+    for row, s in zip(tokens[:, 1:].tolist(), score.tolist()):
+        out.append([(row[:row.index(cfg.eos_id)] if cfg.eos_id in row else row, s)])
+    return out
+
+
+@torch.no_grad()
+def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbest=1):
+    """Batched over sentences x beams. Returns, for each sentence, the nbest [(tokens, score)]
+    sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. Finished hypotheses are kept until no
+    live beam can beat them (tensor2tensor's stopping rule), not dropped at the first k."""
+    cfg, B, k = model.cfg, src.size(0), beam
+    dev = src.device
+    memory, src_mask = model.encode(src)
+    memory, src_mask = memory.repeat_interleave(k, 0), src_mask.repeat_interleave(k, 0)
+    limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
+    L = int(limit.max())
+    cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
+    alive = torch.full((B, k), -math.inf, device=dev)
+    alive[:, 0] = 0.0  # all beams start identical: expand only one
+    fin_scores = torch.full((B, k), -math.inf, device=dev)
+    fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    offsets = (torch.arange(B, device=dev) * k)[:, None]
+    for t in range(L):
+        logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
+        V = logp.size(-1)
+        cand = (alive[:, :, None] + logp.view(B, k, V))
+        # At the length limit only EOS may follow.
+        cand.masked_fill_((t + 1 >= limit)[:, None, None] & (torch.arange(V, device=dev) != cfg.eos_id), -math.inf)
+        top, idx = cand.view(B, -1).topk(2 * k, dim=1)  # 2k: enough that k are not EOS
+        src_beam, tok = idx // V, idx % V
+        is_eos = tok == cfg.eos_id
+        # Finished: EOS candidates that rank among the k best join the k best finished hypotheses of
+        # their sentence (as fairseq; counting all 2k would make beam 1 differ from greedy).
+        is_eos[:, k:] = False
+        eos_scores = torch.where(is_eos & ~done[:, None], top / length_penalty(t + 1, alpha), -math.inf)
+        hist = tokens.view(B, k, -1).gather(1, src_beam[:, :, None].expand(-1, -1, t + 1))
+        cand_tokens = F.pad(torch.cat([hist[:, :, 1:], tok[:, :, None]], 2), (0, L - t), value=cfg.pad_id)
+        fin_scores, order = torch.cat([fin_scores, eos_scores], 1).topk(k, dim=1)
+        fin_tokens = torch.cat([fin_tokens, cand_tokens], 1).gather(1, order[:, :, None].expand(-1, -1, L + 1))
+        # Alive: the k best non-EOS candidates.
+        alive, order = torch.where(is_eos, -math.inf, top).topk(k, dim=1)
+        beam_idx = (src_beam.gather(1, order) + offsets).view(-1)
+        tokens = torch.cat([tokens[beam_idx], tok.gather(1, order).view(-1, 1)], 1)
+        reorder_cache(cache, beam_idx)
+        # Log-probabilities only fall, so a live beam's best possible final score is its current
+        # log-probability under the largest length penalty it can still reach.
+        best_possible = alive[:, 0] / length_penalty(limit.float(), alpha)
+        done |= (fin_scores[:, -1] >= best_possible) | (t + 1 >= limit)
+        if done.all():
+            break
+    out = []
+    for toks, scores in zip(fin_tokens.tolist(), fin_scores.tolist()):
+        hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
+        out.append(hyps[:nbest])
+    return out

@@ -1,0 +1,197 @@
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as M
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def tiny(pre_norm=False, vocab=24, **kw):
+    torch.manual_seed(0)
+    cfg = M.Config(vocab_size=vocab, n_enc_layers=2, n_dec_layers=2, d_model=32, d_ff=64, n_heads=4,
+                   dropout=0.0, pre_norm=pre_norm, max_len=64, **kw)
+    return M.Transformer(cfg).eval()
+
+
+def pad_batch(seqs):
+    T = max(map(len, seqs))
+    return torch.tensor([s + [PAD] * (T - len(s)) for s in seqs])
+
+
+def seq_log_prob(model, src_tokens, hyp):
+    """Log P(hyp + EOS | src) by one plain forward pass (teacher forcing)."""
+    src = torch.tensor([src_tokens])
+    tgt_in, tgt_out = torch.tensor([[BOS] + hyp]), torch.tensor([hyp + [EOS]])
+    logp = F.log_softmax(model(src, tgt_in).double(), -1)
+    return logp.gather(-1, tgt_out[..., None]).sum().item()
+
+
+def test_output_shapes():
+    m = tiny()
+    logits = m(torch.randint(3, 24, (3, 7)), torch.randint(3, 24, (3, 5)))
+    assert logits.shape == (3, 5, 24)
+
+
+@pytest.mark.parametrize('pre_norm', [False, True])
+def test_padding_never_changes_real_positions(pre_norm):
+    m = tiny(pre_norm)
+    src, tgt = [5, 6, 7, EOS], [BOS, 8, 9]
+    alone = m(torch.tensor([src]), torch.tensor([tgt]))[0]
+    batch = m(pad_batch([[3, 4, 5, 6, 7, 8, 9, 10, EOS], src, [4] * 12 + [EOS]]),
+              pad_batch([[BOS, 3, 3, 3, 3, 3, 3], tgt, [BOS, 9]]))[1, :len(tgt)]
+    torch.testing.assert_close(batch, alone, atol=1e-5, rtol=0)
+    mem_alone = m.encode(torch.tensor([src]))[0][0]
+    mem_batch = m.encode(pad_batch([[4] * 10 + [EOS], src]))[0][1, :len(src)]
+    torch.testing.assert_close(mem_batch, mem_alone, atol=1e-5, rtol=0)
+
+
+def test_decoder_is_causal():
+    m = tiny()
+    src = torch.randint(3, 24, (2, 6))
+    tgt = torch.randint(3, 24, (2, 8))
+    changed = tgt.clone()
+    changed[:, 5:] = torch.randint(3, 24, (2, 3))
+    a, b = m(src, tgt), m(src, changed)
+    torch.testing.assert_close(a[:, :5], b[:, :5], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+@pytest.mark.parametrize('pre_norm', [False, True])
+def test_cache_matches_full_forward(pre_norm):
+    m = tiny(pre_norm)
+    src = pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]])
+    tgt = torch.randint(3, 24, (2, 9))
+    full = m(src, tgt)
+    memory, src_mask = m.encode(src)
+    cache = m.new_cache()
+    for t in range(tgt.size(1)):
+        step = m.decode(tgt[:, t:t + 1], memory, src_mask, cache)[:, 0]
+        torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
+
+
+def test_positional_encoding_matches_formula():
+    pe = M.sinusoidal_positions(100, 16)
+    for pos, i in [(0, 0), (1, 0), (7, 3), (50, 5), (99, 7)]:
+        angle = pos / 10000 ** (2 * i / 16)
+        assert pe[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+        assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_three_embeddings_are_one_tensor():
+    m = tiny()
+    tensors = [p for n, p in m.named_parameters() if p.shape == m.embed.weight.shape]
+    assert len(tensors) == 1
+    # the pre-softmax projection really is the embedding: logits move when the embedding does
+    src, tgt = torch.tensor([[5, EOS]]), torch.tensor([[BOS]])
+    before = m(src, tgt)
+    with torch.no_grad():
+        m.embed.weight[7] += torch.randn(32)
+    after = m(src, tgt)
+    assert (after - before)[0, 0, 7].abs() > 1e-3
+
+
+def analytic_params(V, d, ff, N):
+    attn = 4 * d * d + 4 * d
+    ffn = 2 * d * ff + ff + d
+    return V * d + N * (attn + ffn + 2 * 2 * d) + N * (2 * attn + ffn + 3 * 2 * d)
+
+
+@pytest.mark.parametrize('name,paper', [('base', 65e6), ('big', 213e6)])
+def test_parameter_counts_match_paper(name, paper):
+    cfg = M.preset(name, vocab_size=37000)
+    with torch.device('meta'):  # shapes only: no memory, no init time
+        n = M.Transformer(cfg).num_params()
+    expected = analytic_params(37000, cfg.d_model, cfg.d_ff, 6)
+    print(f"{name}: {n / 1e6:.2f}M parameters (paper: {paper / 1e6:.0f}M)")
+    assert n == expected
+    assert abs(n - paper) / paper < 0.05
+
+
+def test_num_params_counts_tied_tensor_once():
+    m = tiny()
+    assert m.num_params() == sum(p.numel() for p in set(m.parameters()))
+    assert m.num_params() == analytic_params(24, 32, 64, 2)
+
+
+def test_label_smoothed_loss_matches_cross_entropy_and_ignores_pad():
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 5, 11), torch.randint(3, 11, (2, 5))
+    target[1, 3:] = PAD
+    loss, nll, ntok = M.label_smoothed_loss(logits, target, eps=0.1, pad_id=PAD)
+    ref = F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=PAD, label_smoothing=0.1,
+                          reduction='sum')
+    assert ntok.item() == 8
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(nll, F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=PAD,
+                                                    reduction='sum'))
+
+
+def test_beam_of_one_is_greedy():
+    # With alpha = 0 a live beam can never beat a finished one, so beam 1 must reproduce greedy
+    # exactly (with alpha > 0 beam 1 may rightly continue past greedy's EOS; see beam_search).
+    m = tiny(vocab=12)
+    src = pad_batch([[5, 6, 7, EOS], [3, 4, 5, 6, 7, 8, EOS], [9, EOS]])
+    greedy = M.greedy_decode(m, src, max_len_b=10)
+    beam = M.beam_search(m, src, beam=1, alpha=0.0, max_len_b=10)
+    assert [g[0][0] for g in greedy] == [b[0][0] for b in beam]
+    for g, b in zip(greedy, beam):
+        assert g[0][1] == pytest.approx(b[0][1], abs=1e-4)
+
+
+@pytest.mark.parametrize('alpha', [0.0, 0.6, 1.0])
+def test_beam_scores_sorted_and_equal_forward_log_prob(alpha):
+    m = tiny(vocab=12)
+    srcs = [[5, 6, 7, EOS], [3, 4, 5, 6, 7, 8, EOS], [9, EOS]]
+    out = M.beam_search(m, pad_batch(srcs), beam=4, alpha=alpha, max_len_b=8, nbest=4)
+    for src, hyps in zip(srcs, out):
+        assert len(hyps) == 4
+        scores = [s for _, s in hyps]
+        assert scores == sorted(scores, reverse=True)
+        for hyp, score in hyps:
+            expected = seq_log_prob(m, src, hyp) / M.length_penalty(len(hyp) + 1, alpha)
+            assert score == pytest.approx(expected, abs=1e-4)
+
+
+def test_outputs_respect_max_length():
+    m = tiny(vocab=12)
+    src = pad_batch([[5, 6, 7, EOS], [9, EOS]])
+    for hyps in M.beam_search(m, src, beam=3, max_len_a=0, max_len_b=3, nbest=3) + M.greedy_decode(m, src, 0, 3):
+        assert all(len(h) <= 2 for h, _ in hyps)  # 3 positions: at most 2 tokens and EOS
+
+
+def test_tiny_model_learns_to_copy():
+    torch.manual_seed(0)
+    V, steps = 13, 400
+    cfg = M.Config(vocab_size=V, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4,
+                   dropout=0.0, max_len=32)  # post-norm, as the paper
+    m = M.Transformer(cfg)
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / 50) * max(0.05, 1 - s / steps))
+
+    def batch(n, g=None):
+        seqs = [torch.randint(3, V, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(n)]
+        return seqs, pad_batch([s + [EOS] for s in seqs])
+
+    for step in range(steps):
+        seqs, src = batch(64)
+        tgt_in, tgt_out = pad_batch([[BOS] + s for s in seqs]), pad_batch([s + [EOS] for s in seqs])
+        loss, _, ntok = M.label_smoothed_loss(m(src, tgt_in), tgt_out, eps=0.0)
+        opt.zero_grad()
+        (loss / ntok).backward()
+        opt.step()
+        sched.step()
+    m.eval()
+    seqs, src = batch(200, torch.Generator().manual_seed(123))
+    assert [h[0][0] for h in M.greedy_decode(m, src)] == seqs
+    assert [h[0][0] for h in M.beam_search(m, src, beam=4)] == seqs
+
+
+def test_import_has_no_side_effects():
+    out = subprocess.run([sys.executable, '-c', 'import model'], capture_output=True, text=True, cwd=M.__file__.rsplit('/', 1)[0])
+    assert out.returncode == 0 and out.stdout == '' and out.stderr == ''

@@ -32,7 +32,7 @@ out_dir = 'out/multi30k_en_de'
 init_from = 'scratch'        # 'scratch' or 'resume' (newest checkpoint in out_dir)
 log_interval = 100           # steps
 eval_interval = 1000         # validation loss every N steps (0 = only at the end)
-bleu_interval = 0            # validation BLEU every N steps (0 = only at the end); best kept as ckpt_best.pt
+bleu_interval = 0            # validation BLEU every N steps (0: only at the end, -1: never); best kept as ckpt_best.pt
 bleu_beam = 4
 save_interval = 1000         # full-state checkpoint every N steps ...
 save_minutes = 0.0           # ... and/or every N minutes (the paper: every 10 minutes)
@@ -273,7 +273,7 @@ def evaluate(final=False):
     global best_bleu
     record = {'step': step}
     record['valid_loss'], record['valid_ppl'] = validation_loss()
-    if final or (bleu_interval and step % bleu_interval == 0):
+    if bleu_interval >= 0 and (final or (bleu_interval and step % bleu_interval == 0)):
         record['valid_bleu'] = validation_bleu()
         if record['valid_bleu'] > best_bleu:
             best_bleu = record['valid_bleu']

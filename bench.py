@@ -1,0 +1,384 @@
+"""
+How fast is model.py, measured on your own machine in one command:
+
+    python bench.py                                     # small model, under 2 minutes on a 2-core CPU
+    python bench.py --config base --batch-tokens 8192   # the paper's base model
+    python bench.py --data data/NAME --peak h100 --json # real batches, MFU against a table peak, JSON
+
+Training: forward + backward + Adam step on token-based batches (synthetic lengths, or --data), for
+eager and torch.compile, float32 and bfloat16 autocast, next to torch.nn.Transformer with the same
+dimensions, batch, masks, loss and optimizer. Achieved FLOP/s comes from the analytic count in
+flops_per_step; MFU divides it by a peak (a GPU table, or a GEMM timed here with --peak measured).
+Decoding: greedy with the KV cache and with full recomputation, and beam search, in sentences/s.
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import time
+import warnings
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import model as M
+
+# Configs beyond model.preset: 'small' is Multi30k-sized (what one trains on a laptop), 'tiny' is for tests.
+CONFIGS = {
+    'tiny': dict(vocab_size=512, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4),
+    'small': dict(vocab_size=8000, n_enc_layers=3, n_dec_layers=3, d_model=256, d_ff=1024, n_heads=4),
+}
+# Dense (no 2:4 sparsity) tensor-core peaks in FLOP/s from the vendor data sheets; on these GPUs
+# float32 matmuls run as TF32 (bench.py turns it on), so the float32 peak is the TF32 one.
+PEAKS = {'a100': {'bfloat16': 312e12, 'float32': 156e12},
+         'h100': {'bfloat16': 989e12, 'float32': 495e12},   # SXM
+         'h200': {'bfloat16': 989e12, 'float32': 495e12}}
+DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16}
+
+
+def flops_per_step(cfg, B, S, T):
+    """Matmul FLOPs of one training step (forward + backward) over a padded batch: B sentences, source
+    padded to S tokens (EOS included), decoder input padded to T. Padded positions are computed like
+    real ones, so padded sizes give the work the hardware did. An (m x k) @ (k x n) matmul is 2*m*k*n.
+    Conventions: attention counts the full S*S, T*T and T*S score matrices (a causal kernel may skip
+    up to half of T*T); layer norm, softmax, dropout, biases and embedding lookups are left out (O(d)
+    per token); backward = 2 x forward (gradients of inputs and of weights)."""
+    d, f, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    enc_layer = (2 * B * S * (3 * d * d + d * d + 2 * d * f)  # QKV, output projection, FFN, per token
+                 + 2 * B * S * S * d * 2)                     # Q K^T and attn @ V, over all heads
+    dec_layer = (2 * B * T * (3 * d * d + d * d + 2 * d * f)  # self-attention projections and FFN
+                 + 2 * B * T * T * d * 2                      # self-attention scores and values
+                 + 2 * B * T * (d * d + d * d)                # cross-attention Q and output projection
+                 + 2 * B * S * (2 * d * d)                    # cross-attention K, V from the encoder
+                 + 2 * B * T * S * d * 2)                     # cross-attention scores and values
+    logits = 2 * B * T * d * V                                # output projection onto the vocabulary
+    return 3 * (cfg.n_enc_layers * enc_layer + cfg.n_dec_layers * dec_layer + logits)
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches
+
+def synthetic_pairs(n, vocab, rng, median=25, cap=250):
+    # Sentence lengths in subword tokens are roughly lognormal (WMT14 en-de: median ~25, long right
+    # tail); the target is about as long as the source, +-15%. Ids avoid the three specials.
+    src_len = np.clip(rng.lognormal(math.log(median), 0.5, n).round(), 1, cap).astype(int)
+    tgt_len = np.clip((src_len * rng.normal(1.0, 0.15, n)).round(), 1, cap).astype(int)
+    return [(rng.integers(3, vocab, a), rng.integers(3, vocab, b)) for a, b in zip(src_len, tgt_len)]
+
+
+def real_pairs(data_dir, n, rng, cap):
+    # data_prep.py layout (CONTRACT.md): flat token ids per language plus int64 sentence offsets.
+    meta = json.load(open(os.path.join(data_dir, 'meta.json')))
+    lang = {}
+    for code in (meta['src'], meta['tgt']):
+        idx = np.fromfile(os.path.join(data_dir, f'train.{code}.idx'), dtype=np.int64)
+        lang[code] = (np.memmap(os.path.join(data_dir, f'train.{code}.bin'), dtype=meta['dtype'], mode='r'), idx)
+    pick = rng.choice(len(lang[meta['src']][1]) - 1, size=n)
+    get = lambda code, i: np.asarray(lang[code][0][lang[code][1][i]:lang[code][1][i + 1]][:cap], dtype=np.int64)
+    return [(get(meta['src'], i), get(meta['tgt'], i)) for i in pick], meta
+
+
+def make_batches(pairs, batch_tokens, cfg, rng, n_batches, device):
+    """Token-based batching as in training: sort by length so a batch holds similar lengths, fill it
+    while sentences x longest side (with EOS/BOS) stays within batch_tokens (fairseq's max_tokens),
+    shuffle the batches, keep n_batches."""
+    order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]), len(pairs[i][1])))
+    groups, cur, longest = [], [], 0
+    for i in order:
+        L = max(len(pairs[i][0]), len(pairs[i][1])) + 1
+        if cur and (len(cur) + 1) * max(longest, L) > batch_tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, L)
+    groups.append(cur)
+    rng.shuffle(groups)
+    return [collate([pairs[i] for i in g], cfg, device) for g in groups[:n_batches]]
+
+
+def pad(seqs, pad_id):
+    out = np.full((len(seqs), max(map(len, seqs))), pad_id, dtype=np.int64)
+    for row, s in zip(out, seqs):
+        row[:len(s)] = s
+    return torch.from_numpy(out)
+
+
+def collate(pairs, cfg, device):
+    # CONTRACT.md: src = tokens + EOS, decoder input = BOS + tokens, decoder target = tokens + EOS.
+    src = pad([np.append(s, cfg.eos_id) for s, _ in pairs], cfg.pad_id)
+    tgt_in = pad([np.insert(t, 0, cfg.bos_id) for _, t in pairs], cfg.pad_id)
+    tgt_out = pad([np.append(t, cfg.eos_id) for _, t in pairs], cfg.pad_id)
+    return dict(src=src.to(device), tgt_in=tgt_in.to(device), tgt_out=tgt_out.to(device),
+                n_src=int((src != cfg.pad_id).sum()), n_tgt=int((tgt_out != cfg.pad_id).sum()))
+
+
+# ------------------------------------------------------------------------------------------------
+# The built-in baseline
+
+class Builtin(nn.Module):
+    """torch.nn.Transformer, the library module one would otherwise pick, completed the same way as
+    ours: shared embedding and output projection scaled by sqrt(d_model), sinusoidal positions, the
+    same masks. Identical parameter count and matmul FLOPs (tested)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.register_buffer('pe', M.sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+        with warnings.catch_warnings():  # a notice about the nested-tensor inference fast path
+            warnings.simplefilter('ignore')
+            self.tf = nn.Transformer(cfg.d_model, cfg.n_heads, cfg.n_enc_layers, cfg.n_dec_layers, cfg.d_ff,
+                                     cfg.dropout, batch_first=True, norm_first=cfg.pre_norm)
+        for mha in [m for m in self.tf.modules() if isinstance(m, nn.MultiheadAttention)]:
+            mha.dropout = cfg.attn_dropout  # it would reuse `dropout` on attention weights; ours does not
+        if not cfg.pre_norm:  # the post-norm paper model (and ours) has no final LayerNorm per stack
+            self.tf.encoder.norm = self.tf.decoder.norm = None
+
+    def embed_tokens(self, x):
+        return self.dropout(self.embed(x) * math.sqrt(self.cfg.d_model) + self.pe[:x.size(1)])
+
+    def forward(self, src, tgt):
+        pad_mask = src == self.cfg.pad_id  # True = ignore (the opposite of model.py's convention)
+        causal = torch.ones(tgt.size(1), tgt.size(1), dtype=torch.bool, device=tgt.device).triu(1)
+        x = self.tf(self.embed_tokens(src), self.embed_tokens(tgt), tgt_mask=causal, tgt_is_causal=True,
+                    src_key_padding_mask=pad_mask, memory_key_padding_mask=pad_mask)
+        return F.linear(x, self.embed.weight)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurements
+
+def sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize()  # kernels run asynchronously: wait before reading the clock
+
+
+def measure_peak(dtype, device):
+    # Best of a few large square GEMMs: what the matmul units reach here (MFU's denominator on a CPU).
+    n = 4096 if device.type == 'cuda' else 2048  # on 2 CPU cores 2048 already saturates, 4096 takes 1 s
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    best = math.inf
+    for _ in range(4):
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def peak_memory(device):
+    if device.type == 'cuda':
+        return torch.cuda.max_memory_allocated(), 'cuda max allocated'
+    # Linux reports KiB. The process high-water mark only grows, so later rows include earlier ones.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'process max RSS'
+
+
+def bench_train(cfg, impl, compiled, dtype, batches, warmup, device):
+    torch.manual_seed(0)
+    model = (M.Transformer if impl == 'ours' else Builtin)(cfg).to(device).train()
+    fwd = model
+    if compiled:
+        # Regional compilation: each encoder/decoder layer is compiled, and identical layers reuse one
+        # compiled graph, so compile time does not grow with depth. dynamic=True: batch shapes vary.
+        for layer in list(model.encoder) + list(model.decoder):
+            layer.compile(dynamic=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type == 'cuda')
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats()
+
+    def step(b):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            logits = fwd(b['src'], b['tgt_in'])
+        loss, _, ntok = M.label_smoothed_loss(logits, b['tgt_out'], 0.1, cfg.pad_id)
+        (loss / ntok).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    for b in batches[:warmup]:  # first steps: compilation, allocator and thread-pool warm-up
+        step(b)
+    sync(device)
+    t1 = time.perf_counter()
+    for b in batches[warmup:]:
+        step(b)
+    sync(device)
+    dt = time.perf_counter() - t1
+    timed = batches[warmup:]
+    n_src, n_tgt = sum(b['n_src'] for b in timed), sum(b['n_tgt'] for b in timed)
+    flops = sum(flops_per_step(cfg, b['src'].size(0), b['src'].size(1), b['tgt_in'].size(1)) for b in timed)
+    mem, mem_kind = peak_memory(device)
+    return dict(impl=impl, mode='compile' if compiled else 'eager', dtype=str(dtype).split('.')[-1],
+                step_ms=1e3 * dt / len(timed), tokens_per_s=(n_src + n_tgt) / dt, tgt_tokens_per_s=n_tgt / dt,
+                flops_per_s=flops / dt, warmup_s=t1 - t0, peak_mem_bytes=mem, mem_kind=mem_kind,
+                params=sum(p.numel() for p in model.parameters()))
+
+
+@torch.no_grad()
+def greedy_recompute(model, src, max_len_a=1.0, max_len_b=0):
+    """greedy_decode without the KV cache: every step re-runs the decoder over the whole prefix."""
+    cfg = model.cfg
+    memory, src_mask = model.encode(src)
+    limit = M.max_lengths(model, src, max_len_a, max_len_b)
+    tokens = src.new_full((src.size(0), 1), cfg.bos_id)
+    done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
+    for t in range(int(limit.max())):
+        nxt = M.next_log_probs(model, tokens, memory, src_mask, None).argmax(-1)
+        nxt = torch.where(t + 1 >= limit, cfg.eos_id, nxt)
+        nxt = torch.where(done, cfg.pad_id, nxt)
+        tokens = torch.cat([tokens, nxt[:, None]], 1)
+        done |= nxt == cfg.eos_id
+        if done.all():
+            break
+    return [[(row[:row.index(cfg.eos_id)] if cfg.eos_id in row else row, 0.0)] for row in tokens[:, 1:].tolist()]
+
+
+def bench_decode(cfg, src, dtype, beam, device):
+    # An untrained model almost never emits EOS, so each output runs to its length limit; the limit is
+    # set to the source length (max_len_a=1, max_len_b=0), about what a trained model produces.
+    torch.manual_seed(0)
+    model = M.Transformer(cfg).to(device).eval()
+    runs = [('greedy', 'KV cache', lambda: M.greedy_decode(model, src, 1.0, 0)),
+            ('greedy', 'recompute', lambda: greedy_recompute(model, src, 1.0, 0)),
+            (f'beam {beam}', 'KV cache', lambda: M.beam_search(model, src, beam, 0.6, 1.0, 0))]
+    rows = []
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        runs[0][2]()  # warm-up
+        for name, how, fn in runs:
+            sync(device)
+            t = time.perf_counter()
+            out = fn()
+            sync(device)
+            dt = time.perf_counter() - t
+            n_tok = sum(len(hyps[0][0]) + 1 for hyps in out)  # generated tokens, EOS included
+            rows.append(dict(search=name, cache=how, sents_per_s=len(out) / dt, tgt_tokens_per_s=n_tok / dt))
+    return rows
+
+
+def cpu_name():
+    for line in open('/proc/cpuinfo') if os.path.exists('/proc/cpuinfo') else []:
+        if line.startswith('model name'):
+            return line.split(':', 1)[1].strip()
+    return 'cpu'
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--config', default='small', choices=[*CONFIGS, *M.PRESETS],
+                   help='tiny, small: defined here; base, big: model.preset')
+    p.add_argument('--batch-tokens', type=int, default=2048, help='max padded tokens per side per batch')
+    p.add_argument('--data', help='data/NAME from data_prep.py: real training batches instead of synthetic')
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--dtype', choices=DTYPES, help='for compile and decoding (default: bfloat16 on CUDA, else float32)')
+    p.add_argument('--peak', default=None, help='measured | ' + ' | '.join(PEAKS) + ' (default: table GPU if known, else measured)')
+    p.add_argument('--compile', choices=['auto', 'on', 'off'], default='auto', help='auto: on CUDA or for small/tiny')
+    p.add_argument('--warmup', type=int, default=2)
+    p.add_argument('--steps', type=int, default=5, help='timed training steps per variant')
+    p.add_argument('--decode-sents', type=int, default=32)
+    p.add_argument('--beam', type=int, default=4)
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--json', action='store_true', help='print one JSON record instead of tables')
+    args = p.parse_args(argv)
+    t_start, load = time.perf_counter(), os.getloadavg()[0]  # other processes on the cores skew timings
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ('bfloat16' if device.type == 'cuda' else 'float32')]
+    if device.type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    rng = np.random.default_rng(args.seed)
+
+    overrides = CONFIGS.get(args.config, {})
+    cfg = M.preset(args.config) if args.config in M.PRESETS else M.Config(**overrides)
+    n_batches, n_pool = args.warmup + args.steps, 40 * args.batch_tokens // 25  # ~40 batches to draw from
+    if args.data:
+        pairs, meta = real_pairs(args.data, n_pool, rng, cfg.max_len - 2)
+        cfg = M.Config(**{**asdict(cfg), 'vocab_size': meta['vocab_size'], 'pad_id': meta['pad_id'],
+                          'bos_id': meta['bos_id'], 'eos_id': meta['eos_id']})
+        dec_pairs = [pairs[i] for i in rng.choice(len(pairs), args.decode_sents)]
+    else:
+        pairs = synthetic_pairs(n_pool, cfg.vocab_size, rng)
+        dec_pairs = synthetic_pairs(args.decode_sents, cfg.vocab_size, rng)
+    batches = make_batches(pairs, args.batch_tokens, cfg, rng, n_batches, device)
+    if len(batches) < n_batches:
+        raise SystemExit(f'only {len(batches)} batches of {args.batch_tokens} tokens; use a smaller --batch-tokens')
+
+    peak_name = args.peak or next((k for k in PEAKS if device.type == 'cuda' and k in torch.cuda.get_device_name().lower()), 'measured')
+    peaks = {k: measure_peak(v, device) if peak_name == 'measured' else PEAKS[peak_name][k] for k, v in DTYPES.items()}
+
+    use_compile = args.compile == 'on' or (args.compile == 'auto' and (device.type == 'cuda' or args.config in CONFIGS))
+    variants = [('ours', False, torch.float32), ('ours', False, torch.bfloat16)]
+    variants += [('ours', True, dtype)] if use_compile else []
+    variants += [('torch.nn.Transformer', False, torch.float32), ('torch.nn.Transformer', False, torch.bfloat16)]
+    train = [bench_train(cfg, impl, c, dt, batches, args.warmup, device) for impl, c, dt in variants]
+    ref = train[0]['tokens_per_s']
+    for r in train:
+        r['mfu'] = r['flops_per_s'] / peaks[r['dtype']]
+        r['vs_ours_eager_fp32'] = r['tokens_per_s'] / ref
+    find = lambda impl, mode, dt: next((r for r in train if (r['impl'], r['mode'], r['dtype']) == (impl, mode, dt)), None)
+    ratios = {f'ours/built-in {dt}': find('ours', 'eager', dt)['tokens_per_s'] / find('torch.nn.Transformer', 'eager', dt)['tokens_per_s']
+              for dt in DTYPES}
+    ratios['bfloat16/float32 (ours eager)'] = find('ours', 'eager', 'bfloat16')['tokens_per_s'] / ref
+    if use_compile:
+        name = str(dtype).split('.')[-1]
+        ratios[f'compile/eager (ours {name})'] = find('ours', 'compile', name)['tokens_per_s'] / find('ours', 'eager', name)['tokens_per_s']
+
+    dec_src = collate(dec_pairs, cfg, device)['src']
+    decode = bench_decode(cfg, dec_src, dtype, args.beam, device)
+    cached, recompute = decode[0]['sents_per_s'], decode[1]['sents_per_s']
+
+    timed = batches[args.warmup:]
+    padded = sum(b['src'].numel() + b['tgt_in'].numel() for b in timed)
+    record = dict(
+        device=torch.cuda.get_device_name() if device.type == 'cuda' else cpu_name(), device_type=device.type,
+        torch=torch.__version__, threads=torch.get_num_threads(), load_avg_before=load, config=args.config, model_cfg=asdict(cfg),
+        params=train[0]['params'], data=args.data or 'synthetic', batch_tokens=args.batch_tokens,
+        warmup_steps=args.warmup, timed_steps=args.steps,
+        sentences_per_batch=sum(b['src'].size(0) for b in timed) / len(timed),
+        real_token_fraction=sum(b['n_src'] + b['n_tgt'] for b in timed) / padded,
+        peak_source=peak_name, peak_flops=peaks, train=train, ratios=ratios, decode=decode,
+        kv_cache_speedup=cached / recompute, decode_sentences=len(dec_pairs),
+        decode_dtype=str(dtype).split('.')[-1], elapsed_s=time.perf_counter() - t_start)
+    if args.json:
+        print(json.dumps(record))
+    else:
+        report(record)
+    return record
+
+
+def report(r):
+    print(f"{r['device']} ({r['device_type']}, {r['threads']} threads), torch {r['torch']}, "
+          f"load average before the run {r['load_avg_before']:.2f}")
+    if r['device_type'] == 'cpu' and r['load_avg_before'] > 0.5:
+        print('WARNING: other processes were using the CPU; close them and rerun for trustworthy figures')
+    c = r['model_cfg']
+    print(f"config {r['config']}: {c['n_enc_layers']}+{c['n_dec_layers']} layers, d_model {c['d_model']}, d_ff {c['d_ff']}, "
+          f"heads {c['n_heads']}, vocab {c['vocab_size']}, {r['params'] / 1e6:.1f}M params")
+    print(f"batches: {r['data']}, <= {r['batch_tokens']} padded tokens per side, {r['sentences_per_batch']:.0f} sentences "
+          f"on average, {100 * r['real_token_fraction']:.0f}% real tokens; {r['warmup_steps']} warm-up + "
+          f"{r['timed_steps']} timed steps per row")
+    print('peak ({}): {}'.format(r['peak_source'], ', '.join(f'{k} {v / 1e12:.3g} TFLOP/s' for k, v in r['peak_flops'].items())))
+    print('\nTraining step (forward + backward + Adam). tok/s = real (non-pad) source + target tokens; '
+          'FLOP/s over padded shapes (flops_per_step)')
+    hdr = f"{'implementation':<22}{'mode':<9}{'dtype':<10}{'step ms':>9}{'tok/s':>9}{'tgt tok/s':>10}" \
+          f"{'TFLOP/s':>9}{'MFU':>7}{'x ref':>7}{'warmup s':>10}{'peak MiB':>10}"
+    print(hdr + '\n' + '-' * len(hdr))
+    for t in r['train']:
+        print(f"{t['impl']:<22}{t['mode']:<9}{t['dtype']:<10}{t['step_ms']:>9.0f}{t['tokens_per_s']:>9.0f}"
+              f"{t['tgt_tokens_per_s']:>10.0f}{t['flops_per_s'] / 1e12:>9.3f}{100 * t['mfu']:>6.1f}%"
+              f"{t['vs_ours_eager_fp32']:>7.2f}{t['warmup_s']:>10.1f}{t['peak_mem_bytes'] / 2**20:>10.0f}")
+    print(f"x ref = tokens/s relative to the first row; warmup s includes compilation; peak MiB = {r['train'][0]['mem_kind']}")
+    print('ratios: ' + ', '.join(f'{k} {v:.2f}x' for k, v in r['ratios'].items()))
+    print(f"\nDecoding {r['decode_sentences']} sentences in one batch ({r['decode_dtype']}, output length = source length)")
+    hdr = f"{'search':<10}{'cache':<12}{'sent/s':>9}{'tgt tok/s':>11}"
+    print(hdr + '\n' + '-' * len(hdr))
+    for d in r['decode']:
+        print(f"{d['search']:<10}{d['cache']:<12}{d['sents_per_s']:>9.1f}{d['tgt_tokens_per_s']:>11.0f}")
+    print(f"KV cache speed-up (greedy): {r['kv_cache_speedup']:.2f}x\ntotal {r['elapsed_s']:.0f} s")
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,28 @@
+# Multi30k en-de on a laptop CPU (2 cores, bf16): a small model, 30 minutes of training.
+# Prepare: python data_prep.py multi30k --src en --tgt de
+# Run:     python train.py config/multi30k.py
+data_dir = 'data/multi30k_en_de'
+out_dir = 'out/multi30k_en_de'
+n_enc_layers = 3
+n_dec_layers = 3
+d_model = 256
+d_ff = 1024
+n_heads = 4
+dropout = 0.1
+max_tokens = 4096
+update_freq = 1
+max_steps = 100000
+max_minutes = 30.0
+schedule = 'inverse_sqrt'
+lr = 1e-3
+warmup = 1000
+label_smoothing = 0.1
+dtype = 'bfloat16'
+compile = False
+log_interval = 50
+eval_interval = 500
+bleu_interval = 0
+save_interval = 0
+save_minutes = 2.0
+keep_last = 5
+average_last = 5

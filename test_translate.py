@@ -1,0 +1,271 @@
+"""
+Tests for translate.py. A module fixture trains a tiny model.Transformer to reverse the word order of
+sentences over a 12-word vocabulary (through a small BPE tokenizer), saves it in the checkpoint format
+of CONTRACT.md, and translate.py then runs on it as a library, in-process (main) and as a script.
+"""
+import os
+import pty
+import random
+import select
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import sacrebleu
+import torch
+
+import data_prep
+import model as M
+import translate as T
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORDS = 'alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omicron'.split()
+# Two shared cores: one thread per process is faster than oversubscribed ones, in the fixture and scripts.
+ENV = {**os.environ, 'OMP_NUM_THREADS': '1'}
+
+
+def sentence(rng):
+    return ' '.join(rng.sample(WORDS, rng.randint(1, 9)))  # distinct words: reversal is quick to learn
+
+
+def reverse(s):
+    return ' '.join(s.split()[::-1])
+
+
+def make_tokenizer(corpus):
+    d = data_prep.train_tokenizer(iter(corpus), 400, 'toy')
+    return d, data_prep.load_tokenizer(d)
+
+
+@pytest.fixture(scope='module')
+def toy(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    d, enc = make_tokenizer([sentence(rng) for _ in range(3000)])
+    sp = d['special_tokens']
+    cfg = M.Config(vocab_size=enc.n_vocab, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4,
+                   dropout=0.0, max_len=80, pad_id=sp['<pad>'], bos_id=sp['<s>'], eos_id=sp['</s>'])
+    torch.manual_seed(0)
+    model = M.Transformer(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    def pad(seqs):
+        return torch.tensor([s + [cfg.pad_id] * (max(map(len, seqs)) - len(s)) for s in seqs])
+
+    for _ in range(250):
+        batch = [sentence(rng) for _ in range(64)]
+        src = pad([enc.encode_ordinary(s) + [cfg.eos_id] for s in batch])
+        tgt = [enc.encode_ordinary(reverse(s)) for s in batch]
+        loss, _, n = M.label_smoothed_loss(model(src, pad([[cfg.bos_id] + t for t in tgt])),
+                                           pad([t + [cfg.eos_id] for t in tgt]), 0.0, cfg.pad_id)
+        opt.zero_grad()
+        (loss / n).backward()
+        opt.step()
+    model.eval()
+    folder = tmp_path_factory.mktemp('toy')
+    ckpt = folder / 'ckpt.pt'
+    torch.save({'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 250,
+                'config': {}}, ckpt)
+    # Lengths deliberately out of order, so that length-sorted batches would scramble a naive writer.
+    lines = [sentence(random.Random(i)) for i in range(24)]
+    src_file = folder / 'test.src'
+    src_file.write_text(''.join(line + '\n' for line in lines))
+    yield dict(folder=folder, ckpt=str(ckpt), model=model, enc=enc, cfg=cfg, lines=lines, src=str(src_file))
+    torch.set_num_threads(threads)
+
+
+def own_decode(toy, line, greedy=False, nbest=1):
+    """The model's own output for one sentence alone (no batching, no padding)."""
+    src = torch.tensor([toy['enc'].encode_ordinary(line) + [toy['cfg'].eos_id]])
+    if greedy:
+        return M.greedy_decode(toy['model'], src, 1, 50)[0]
+    return M.beam_search(toy['model'], src, 4, 0.6, 1, 50, nbest)[0]
+
+
+def run(args, **kw):
+    return subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), *args], capture_output=True,
+                          env=ENV, cwd=HERE, timeout=120, **kw)
+
+
+def test_file_translation_matches_model_beam_in_input_order(toy, tmp_path):
+    lens = [len(toy['enc'].encode_ordinary(line)) for line in toy['lines']]
+    assert lens != sorted(lens) and lens != sorted(lens, reverse=True)
+    out = tmp_path / 'hyp'
+    r = run(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out), '--max-tokens', '40'])
+    assert r.returncode == 0, r.stderr.decode()
+    hyps = out.read_text(encoding='utf-8').split('\n')
+    assert hyps[-1] == '' and len(hyps) == len(toy['lines']) + 1
+    expected = [toy['enc'].decode(own_decode(toy, line)[0][0]) for line in toy['lines']]
+    assert hyps[:-1] == expected
+    # The comparison means something only if outputs differ by input: the model has learnt the task.
+    assert sum(h == reverse(line) for h, line in zip(expected, toy['lines'])) >= 0.8 * len(expected)
+    assert b'sentences/s' in r.stderr and b'target tokens/s' in r.stderr
+
+
+def test_greedy_from_stdin_to_stdout_matches_model_greedy_decode(toy):
+    with open(toy['src'], 'rb') as f:
+        r = run(['--ckpt', toy['ckpt'], '--greedy', '--max-tokens', '30'], stdin=f)
+    assert r.returncode == 0, r.stderr.decode()
+    expected = [toy['enc'].decode(own_decode(toy, line, greedy=True)[0][0]) for line in toy['lines']]
+    assert r.stdout.decode('utf-8').split('\n') == expected + ['']
+
+
+def test_translate_lines_streams_in_input_order_and_leaves_caller_state_alone(toy, monkeypatch):
+    calls = []
+    real = M.greedy_decode
+    monkeypatch.setattr(M, 'greedy_decode', lambda *a: calls.append(1) or real(*a))
+    model, lines = toy['model'], [' '.join(WORDS[:9])] + toy['lines']  # the longest first: decoded first
+    model.train()
+    stats = {}
+    gen = T.translate_lines(model, toy['enc'], lines, greedy=True, max_tokens=30, stats=stats)
+    first = next(gen)
+    assert len(calls) == 1  # streamed after the first batch, not after all of them
+    assert torch.is_grad_enabled() and not model.training  # no_grad does not leak out of the generator
+    hyps = [first] + list(gen)
+    assert len(calls) > 3 and model.training  # several batches; the caller's train mode restored
+    model.eval()
+    assert hyps == [toy['enc'].decode(own_decode(toy, line, greedy=True)[0][0]) for line in lines]
+    assert stats['sentences'] == len(lines) and stats['tgt_tokens'] > len(lines)
+
+
+def test_nbest_lists_n_hypotheses_per_line_sorted_by_score(toy, tmp_path):
+    out = tmp_path / 'nbest'
+    T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out), '--nbest', '3'])
+    rows = [row.split('\t') for row in out.read_text(encoding='utf-8').splitlines()]
+    assert len(rows) == 3 * len(toy['lines'])
+    for i, line in enumerate(toy['lines']):
+        group = rows[3 * i:3 * i + 3]
+        scores = [float(s) for s, _ in group]
+        assert scores == sorted(scores, reverse=True) and len({h for _, h in group}) == 3
+        own = own_decode(toy, line, nbest=3)
+        assert [h for _, h in group] == [toy['enc'].decode(t) for t, _ in own]
+        assert scores == pytest.approx([s for _, s in own], abs=2e-4)
+
+
+def test_bad_input_gives_exactly_one_output_line_per_input_line(toy, tmp_path):
+    long_line = ' '.join(WORDS * 4)  # 48 tokens: more than the toy model's max_len 80 leaves for it
+    raw = [b'alpha beta gamma\r\n', b'\n', b'   \n', long_line.encode() + b'\n', b'beta \xff\xfe delta\n',
+           b'alpha\rbeta\n', 'eta\u2028theta'.encode() + b'\n', b'</s> <pad> kappa\r\n', b'\r\n',
+           b'alpha beta gamma']  # the last line has no newline
+    src = tmp_path / 'bad.src'
+    src.write_bytes(b''.join(raw))
+    out = tmp_path / 'bad.hyp'
+    r = run(['--ckpt', toy['ckpt'], '--input', str(src), '--output', str(out)])
+    assert r.returncode == 0, r.stderr.decode()
+    text = out.read_bytes().decode('utf-8')
+    hyps = text.split('\n')
+    assert len(hyps) == len(raw) + 1 and hyps[-1] == '' and text.splitlines() == hyps[:-1]  # no stray breaks
+    assert hyps[1] == hyps[2] == hyps[8] == ''
+    assert hyps[0] == hyps[9] == toy['enc'].decode(own_decode(toy, 'alpha beta gamma')[0][0])
+    err = r.stderr.decode()
+    assert 'line 4:' in err and 'truncated' in err and 'line 5:' in err and 'UTF-8' in err
+
+
+def test_hypotheses_never_contain_line_breaks(toy, monkeypatch):
+    # A model may well generate a newline token; written out as is, it would shift every later line.
+    enc = toy['enc']
+    fake = [(enc.encode_ordinary('a\nb\r\nc\u2028d\x0be'), -1.0)]
+    monkeypatch.setattr(M, 'beam_search', lambda model, src, *a: [fake] * len(src))
+    hyps = list(T.translate_lines(toy['model'], enc, ['alpha', '', 'beta gamma']))
+    assert hyps == ['a b  c d e', '', 'a b  c d e']
+
+
+def test_ref_with_the_reference_as_hypothesis_gives_bleu_100(toy, tmp_path):
+    hyp = tmp_path / 'hyp'
+    T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(hyp)])
+    r = run(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(tmp_path / 'hyp2'),
+             '--ref', str(hyp), '--paper-bleu'])
+    assert r.returncode == 0, r.stderr.decode()
+    err = r.stderr.decode()
+    assert 'sacreBLEU: BLEU = 100.00' in err and 'nrefs:1|case:mixed|eff:no|tok:13a' in err
+    assert 'chrF2 = 100.00' in err and 'paper BLEU' in err and err.count('BLEU = 100.00') == 2
+
+
+def test_bleu_of_a_known_pair_equals_sacrebleu_and_the_formula():
+    hyps, refs = ['the cat sat on the mat'], ['the cat sat on a mat']
+    score = T.bleu(hyps, refs).score
+    assert score == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
+    # Precisions 5/6, 3/5, 2/4, 1/3; equal lengths, so no brevity penalty.
+    assert score == pytest.approx(100 * (5 / 6 * 3 / 5 * 2 / 4 * 1 / 3) ** 0.25)
+    with pytest.raises(ValueError):
+        T.bleu(hyps, refs * 2)
+
+
+def test_paper_bleu_tokenises_and_splits_hyphenated_compounds():
+    hyps, refs = ['Das Software-Update ist da.'], ['Das Software-Paket ist "da".']
+    want = sacrebleu.metrics.BLEU(tokenize='none').corpus_score(
+        ['Das Software ##AT##-##AT## Update ist da .'], [['Das Software ##AT##-##AT## Paket ist " da " .']])
+    assert T.paper_bleu(hyps, refs).score == pytest.approx(want.score)
+    assert T.paper_bleu(hyps, refs).score > T.bleu(hyps, refs).score
+
+
+def test_average_checkpoints_is_the_elementwise_mean_of_the_newest_by_step(toy, tmp_path):
+    base = torch.load(toy['ckpt'], weights_only=True)
+    states = {}
+    for step in (90, 100, 1000):  # by name, ckpt_90.pt would sort last
+        g = torch.Generator().manual_seed(step)
+        states[step] = {k: v + torch.randn(v.shape, generator=g) for k, v in base['model'].items()}
+        torch.save({**base, 'model': states[step], 'step': step}, tmp_path / f'ckpt_{step}.pt')
+    torch.save({**base, 'model': states[90]}, tmp_path / 'ckpt_best.pt')
+    avg = T.average_checkpoints([str(tmp_path / 'ckpt_100.pt'), str(tmp_path / 'ckpt_1000.pt')])
+    for k, v in avg.items():
+        torch.testing.assert_close(v, (states[100][k] + states[1000][k]) / 2)
+    (tmp_path / 'in.txt').write_text('alpha beta\n')
+    T.main(['--ckpt', str(tmp_path), '--average-last', '2', '--save-average', str(tmp_path / 'avg.pt'),
+            '--input', str(tmp_path / 'in.txt'), '--output', str(tmp_path / 'out.txt')])
+    saved = T.load_checkpoint(str(tmp_path / 'avg.pt'))[2]
+    assert saved['averaged'] == ['ckpt_100.pt', 'ckpt_1000.pt'] and saved['step'] == 1000
+    for k, v in avg.items():
+        assert torch.equal(saved['model'][k], v)
+    assert len((tmp_path / 'out.txt').read_text().splitlines()) == 1
+    # Low-precision weights are summed in float64 and come back in their own dtype.
+    for i, w in enumerate([1.0, 2.0, 4.0]):
+        torch.save({'model': {'w': torch.full((3,), w, dtype=torch.bfloat16)}}, tmp_path / f'b{i}.pt')
+    w = T.average_checkpoints([str(tmp_path / f'b{i}.pt') for i in range(3)])['w']
+    assert w.dtype == torch.bfloat16 and torch.equal(w, torch.full((3,), 7 / 3).bfloat16())
+
+
+def test_bad_checkpoints_are_clear_one_line_errors_naming_the_file(toy, tmp_path):
+    base = torch.load(toy['ckpt'], weights_only=True)
+    cases = {'missing.pt': None,
+             'notok.pt': {k: v for k, v in base.items() if k != 'tokenizer'},
+             'small_vocab.pt': {**base, 'model_cfg': {**base['model_cfg'], 'vocab_size': 100}},
+             'other_eos.pt': {**base, 'model_cfg': {**base['model_cfg'], 'eos_id': 5}}}
+    words = {'missing.pt': 'not found', 'notok.pt': 'missing tokenizer', 'small_vocab.pt': 'vocab_size',
+             'other_eos.pt': '</s>'}
+    for name, ckpt in cases.items():
+        if ckpt is not None:
+            torch.save(ckpt, tmp_path / name)
+        with pytest.raises(SystemExit) as e:
+            T.load_checkpoint(str(tmp_path / name))
+        msg = str(e.value)
+        assert str(tmp_path / name) in msg and words[name] in msg and '\n' not in msg
+    r = run(['--ckpt', str(tmp_path / 'missing.pt')], stdin=subprocess.DEVNULL)
+    assert r.returncode != 0 and r.stderr.decode().strip().count('\n') == 0 and b'missing.pt' in r.stderr
+
+
+def test_interactive_terminal_translates_each_line_as_typed(toy):
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt']],
+                         stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=ENV, cwd=HERE)
+    os.close(slave)
+    try:
+        for line in toy['lines'][:2]:
+            os.write(master, line.encode() + b'\n')
+            # The answer must come while stdin is still open: line by line, not at end of input.
+            assert select.select([p.stdout], [], [], 60)[0], "no output within 60 s"
+            got = p.stdout.readline().decode().rstrip('\n')
+            assert got == toy['enc'].decode(own_decode(toy, line)[0][0])
+        os.write(master, b'\x04')  # Ctrl-D
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+        os.close(master)
+
+
+def test_bfloat16_autocast_decoding_on_cpu_mostly_agrees_with_float32(toy):
+    fp32 = list(T.translate_lines(toy['model'], toy['enc'], toy['lines']))
+    bf16 = list(T.translate_lines(toy['model'], toy['enc'], toy['lines'], dtype=torch.bfloat16))
+    assert len(bf16) == len(fp32) and sum(a == b for a, b in zip(fp32, bf16)) >= 0.8 * len(fp32)

@@ -1,0 +1,353 @@
+"""
+Translate with a trained checkpoint: batched beam search (or greedy) over a file or stdin, results in
+input order, optionally scored against a reference with sacreBLEU, chrF and the paper's tokenised BLEU.
+
+    python translate.py --ckpt out/wmt_base/ckpt.pt < newstest2014.en > hyp.de
+    python translate.py --ckpt out/wmt_base --average-last 5 --input test.en --output hyp.de --ref test.de --paper-bleu
+    python translate.py --ckpt out/wmt_base/ckpt.pt        # on a terminal: translates each line as it is typed
+
+Also the library train.py uses: load_checkpoint, average_checkpoints, save_atomic, translate_lines, bleu.
+"""
+import argparse
+import glob
+import os
+import re
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+import data_prep
+import model as M
+
+
+def fail(msg):
+    raise SystemExit(f"translate.py: error: {msg}")
+
+
+def warn(msg):
+    print(f"translate.py: warning: {msg}", file=sys.stderr)
+
+
+# -----------------------------------------------------------------------------------------------
+# checkpoints
+
+def save_atomic(obj, path):
+    # Write then rename: a crash or a full disk mid-save never leaves a truncated file under the real name.
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
+    if not os.path.isfile(path):
+        fail(f"checkpoint {path} not found")
+    try:  # weights_only: our checkpoints hold only tensors and plain containers, and loading runs no code
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        fail(f"cannot read checkpoint {path}: {type(e).__name__}: {(str(e).strip() + ' ').splitlines()[0]}")
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        fail(f"{path} is not a model checkpoint: missing {', '.join(missing)}")
+    return ckpt
+
+
+def load_checkpoint(path, device='cpu', state_dict=None):
+    """-> (model in eval mode on device, tiktoken Encoding, checkpoint dict). The tokenizer comes from the
+    checkpoint itself (embedded dict, or a path, taken relative to the checkpoint if not found as is).
+    state_dict replaces the checkpoint's weights (averaging)."""
+    ckpt = read_checkpoint(path)
+    try:
+        cfg = M.Config(**ckpt['model_cfg'])
+    except TypeError as e:
+        fail(f"{path}: model_cfg does not fit model.Config: {e}")
+    tok = ckpt['tokenizer']
+    if isinstance(tok, str) and not os.path.exists(tok):
+        tok = os.path.join(os.path.dirname(path), tok)
+    try:
+        enc = data_prep.load_tokenizer(tok)
+    except Exception as e:
+        fail(f"{path}: cannot load its tokenizer: {type(e).__name__}: {e}")
+    # A model trained with another tokenizer would silently produce garbage: refuse it instead.
+    if cfg.vocab_size < enc.n_vocab:
+        fail(f"{path}: model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {enc.n_vocab} tokens")
+    for name, want in (('<pad>', cfg.pad_id), ('<s>', cfg.bos_id), ('</s>', cfg.eos_id)):
+        try:
+            got = enc.encode_single_token(name)
+        except KeyError:
+            got = None
+        if got != want:
+            fail(f"{path}: tokenizer's {name} id is {got} but the model's is {want}")
+    model = M.Transformer(cfg)
+    try:
+        model.load_state_dict(ckpt['model'] if state_dict is None else state_dict)
+    except RuntimeError as e:
+        fail(f"{path}: weights do not fit its model_cfg: {' '.join(str(e).split())[:300]}")
+    return model.to(device).eval(), enc, ckpt
+
+
+def average_checkpoints(paths):
+    """Element-wise mean of the checkpoints' model weights (section 6.1 averages the last 5 or 20).
+    Sums in float64, then casts each tensor back to its own dtype; non-float tensors come from the last."""
+    if not paths:
+        raise ValueError("average_checkpoints: no checkpoints given")
+    total, dtypes = None, {}
+    for p in paths:
+        sd = read_checkpoint(p, keys=('model',))['model']
+        if total is None:
+            total, dtypes = {}, {k: v.dtype for k, v in sd.items()}
+        elif sd.keys() != total.keys():
+            fail(f"{p}: its parameters differ from those of {paths[0]}")
+        for k, v in sd.items():
+            if not v.is_floating_point():
+                total[k] = v.clone()
+            elif k not in total:
+                total[k] = v.double()
+            elif v.shape != total[k].shape:
+                fail(f"{p}: {k} has shape {tuple(v.shape)}, {paths[0]} has {tuple(total[k].shape)}")
+            else:
+                total[k] += v.double()
+    return {k: (v / len(paths)).to(dtypes[k]) if v.is_floating_point() else v for k, v in total.items()}
+
+
+def newest_checkpoints(path, n):
+    # ckpt_{step}.pt only (not ckpt_best.pt or ckpt.pt), ordered by step number rather than by name.
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
+    found = sorted((int(m.group(1)), p) for p in glob.glob(os.path.join(folder, 'ckpt_*.pt'))
+                   if (m := re.fullmatch(r'ckpt_(\d+)\.pt', os.path.basename(p))))
+    if not found:
+        fail(f"no ckpt_STEP.pt checkpoints in {folder} to average")
+    if len(found) < n:
+        warn(f"--average-last {n}: only {len(found)} checkpoint(s) in {folder}")
+    return [p for _, p in found[-n:]]
+
+
+# -----------------------------------------------------------------------------------------------
+# translation
+
+# Every character str.splitlines() breaks at: a hypothesis containing one would shift all later lines.
+LINE_BREAKS = re.compile('[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]')
+
+
+def source_limit(cfg, max_len_a, max_len_b):
+    # Source tokens + EOS must fit the positional table, and so should the longest output allowed,
+    # a * |src incl. EOS| + b (model.max_lengths), or long sentences would be cut off mid-translation.
+    n = cfg.max_len - 1
+    room = (cfg.max_len - 1 - max_len_b) / max_len_a - 1 if max_len_a > 0 else n
+    return min(n, int(room)) if room >= 1 else n
+
+
+def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b=50, max_tokens=4096,
+                    nbest=1, greedy=False, dtype=None, first_line=1, stats=None):
+    """Yields one result per line of `lines`, in input order, each as soon as it and all lines before
+    it are decoded: the hypothesis string, or with nbest > 1 a list of (score, string), best first.
+    Sources are length-sorted and batched so that a batch holds at most max_tokens (padded) source
+    tokens. dtype: autocast to it (torch.float32: none); None leaves the caller's autocast as it is.
+    Empty lines give ''. Over-long lines are truncated with a warning naming line first_line + i.
+    stats, a dict, gets 'sentences', 'src_tokens' and 'tgt_tokens' (best hypotheses) added to it."""
+    if nbest > (1 if greedy else beam):
+        raise ValueError(f"nbest {nbest} needs a beam at least that wide")
+    cfg, device = model.cfg, next(model.parameters()).device
+    limit = source_limit(cfg, max_len_a, max_len_b)
+    lines, srcs = list(lines), {}
+    for i, line in enumerate(lines):
+        if line.strip():
+            # encode_ordinary: text that happens to spell '</s>' is words, not a control token.
+            toks = enc.encode_ordinary(line.strip())
+            if len(toks) > limit:
+                warn(f"line {first_line + i}: {len(toks)} tokens, truncated to the model's limit of {limit}")
+                toks = toks[:limit]
+            srcs[i] = toks + [cfg.eos_id]
+    # Longest first: padding stays small, and a batch too large for memory fails at once, not at the end.
+    order, batches = sorted(srcs, key=lambda i: -len(srcs[i])), []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * len(srcs[batches[-1][0]]) <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    autocast = (nullcontext() if dtype is None else
+                torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
+    if stats is not None:
+        for k in ('sentences', 'src_tokens', 'tgt_tokens'):
+            stats.setdefault(k, 0)
+        stats['sentences'] += len(lines)
+        stats['src_tokens'] += sum(map(len, srcs.values()))
+    done, nxt, was_training = {}, 0, model.training
+    model.eval()
+    try:
+        for batch in [[]] + batches:  # the empty first batch emits any leading empty lines at once
+            if batch:
+                S = len(srcs[batch[0]])
+                src = torch.tensor([srcs[i] + [cfg.pad_id] * (S - len(srcs[i])) for i in batch], device=device)
+                # no_grad and autocast only around the work: a generator must not leak them to the caller.
+                with torch.no_grad(), autocast:
+                    if greedy:
+                        out = M.greedy_decode(model, src, max_len_a, max_len_b)
+                    else:
+                        out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest)
+                done.update(zip(batch, out))
+            while nxt < len(lines) and (nxt in done or nxt not in srcs):
+                hyps = done.pop(nxt, [([], 0.0)])
+                if stats is not None:
+                    stats['tgt_tokens'] += len(hyps[0][0])
+                # Ids past the tokenizer's (a vocabulary padded for speed) have no text.
+                texts = [LINE_BREAKS.sub(' ', enc.decode([t for t in toks if t < enc.n_vocab])) for toks, _ in hyps]
+                yield texts[0] if nbest == 1 else [(s, t) for t, (_, s) in zip(texts, hyps)]
+                nxt += 1
+    finally:
+        model.train(was_training)
+
+
+# -----------------------------------------------------------------------------------------------
+# scoring
+
+def bleu(hyps, refs):
+    """Corpus sacreBLEU (13a tokenisation, mixed case): the comparable, signed number. -> BLEUScore."""
+    hyps, refs = list(hyps), list(refs)
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    return BLEU().corpus_score(hyps, [refs])
+
+
+def split_compounds(text, tokenize=Tokenizer13a()):
+    return re.sub(r'(\S)-(\S)', r'\1 ##AT##-##AT## \2', tokenize(text))
+
+
+def paper_bleu(hyps, refs):
+    """Tokenised BLEU with compound splitting, as the paper's WMT14 en-de numbers (and GNMT's,
+    ConvS2S's) are computed by tensor2tensor's get_ende_bleu.sh: Moses tokenizer.perl -l de on
+    hypothesis and reference, then perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g', then multi-bleu.perl.
+    Here, without Moses: sacreBLEU's 13a tokenizer (mteval-v13a; like Moses without -a it splits
+    punctuation but leaves hyphens between letters), the same regex on both sides, then sacreBLEU
+    with tokenize='none' (split at whitespace, case-sensitive, like multi-bleu.perl). It can differ
+    from the perl pipeline in small details (apostrophes, hyphens after digits, HTML escaping).
+    It is usually higher than sacreBLEU (13a too, but no splitting) by about a point on WMT14 en-de:
+    to sacreBLEU 'Software-Update' is one token, matched whole or not at all; split, it is three,
+    so a half-right compound ('Software-Paket') still earns n-gram matches, and every hyphen in a
+    compound becomes a '##AT##-##AT##' token that matches whenever the reference has one too."""
+    hyps, refs = list(hyps), list(refs)
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    return BLEU(tokenize='none', force=True).corpus_score(
+        [split_compounds(h) for h in hyps], [[split_compounds(r) for r in refs]])
+
+
+# -----------------------------------------------------------------------------------------------
+# command line
+
+def decode_line(raw, name, n):  # (the '\r' of CRLF files goes with translate_lines' strip())
+    try:
+        return raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        warn(f"{name}: line {n}: invalid UTF-8 at byte {e.start}, replaced with U+FFFD")
+        return raw.decode('utf-8', errors='replace')
+
+
+def read_lines(path):
+    # Bytes, split at b'\n' only: text mode would also split at a lone '\r' and shift the lines.
+    try:
+        with (open(path, 'rb') if path else nullcontext(sys.stdin.buffer)) as f:
+            raw = f.read().split(b'\n')
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror}")
+    if raw[-1] == b'':
+        raw.pop()  # the final newline ends the last line rather than starting another
+    lines = [decode_line(r, path or '<stdin>', n) for n, r in enumerate(raw, 1)]
+    if lines and lines[0].startswith('\ufeff'):
+        lines[0] = lines[0][1:]  # a UTF-8 byte-order mark is not text
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Translate a file or stdin with a trained checkpoint.")
+    p.add_argument('--ckpt', required=True, help="checkpoint file (with --average-last, a file or folder)")
+    p.add_argument('--input', help="source text, one sentence per line (default: stdin)")
+    p.add_argument('--output', help="where the translations go (default: stdout)")
+    p.add_argument('--beam', type=int, default=4, help="beam size (the paper: 4)")
+    p.add_argument('--lenpen', type=float, default=0.6, help="length penalty alpha (the paper: 0.6)")
+    p.add_argument('--max-len-a', type=float, default=1.0, help="output at most a * source length + b")
+    p.add_argument('--max-len-b', type=int, default=50)
+    p.add_argument('--greedy', action='store_true', help="greedy decoding instead of beam search")
+    p.add_argument('--nbest', type=int, default=1, help="N lines 'score<TAB>hypothesis' per input line")
+    p.add_argument('--max-tokens', type=int, default=4096, help="padded source tokens per batch")
+    p.add_argument('--average-last', type=int, default=0, help="average the newest N ckpt_STEP.pt first")
+    p.add_argument('--save-average', help="write the averaged checkpoint here")
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--dtype', choices=['float32', 'bfloat16', 'float16'],
+                   help="autocast dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument('--ref', help="reference translations: print sacreBLEU and chrF to stderr")
+    p.add_argument('--paper-bleu', action='store_true', help="also the paper's tokenised, compound-split BLEU")
+    args = p.parse_args(argv)
+    if args.beam < 1 or args.max_tokens < 1 or not 1 <= args.nbest <= (1 if args.greedy else args.beam):
+        p.error("need beam >= 1, max-tokens >= 1 and 1 <= nbest <= beam (1 with --greedy)")
+    if args.paper_bleu and not args.ref:
+        p.error("--paper-bleu needs --ref")
+    if args.save_average and not args.average_last:
+        p.error("--save-average needs --average-last")
+    if args.device.startswith('cuda') and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no GPU available")
+    interactive = args.input is None and sys.stdin.isatty()
+    lines = None if interactive else read_lines(args.input)
+    refs = read_lines(args.ref) if args.ref else None
+    if refs is not None and lines is not None and len(refs) != len(lines):
+        fail(f"{args.ref} has {len(refs)} lines but {args.input or '<stdin>'} has {len(lines)}")
+
+    if args.average_last:
+        paths = newest_checkpoints(args.ckpt, args.average_last)
+        warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
+        model, enc, ckpt = load_checkpoint(paths[-1], args.device, average_checkpoints(paths))
+        if args.save_average:
+            keep = ('model_cfg', 'tokenizer', 'step', 'config', 'data_dir')
+            save_atomic({'model': model.state_dict(), **{k: ckpt[k] for k in keep if k in ckpt},
+                         'averaged': [os.path.basename(q) for q in paths]}, args.save_average)
+    else:
+        model, enc, ckpt = load_checkpoint(args.ckpt, args.device)
+    dtype = getattr(torch, args.dtype or ('bfloat16' if args.device.startswith('cuda') else 'float32'))
+    opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+                max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype)
+    if args.output:
+        out = open(args.output, 'w', encoding='utf-8', newline='\n')
+    else:
+        sys.stdout.reconfigure(encoding='utf-8', newline='\n')
+        out = sys.stdout
+
+    def write(result):
+        if args.nbest == 1:
+            out.write(result + '\n')
+            return result
+        result += [(float('-inf'), '')] * (args.nbest - len(result))  # always exactly N lines per input
+        out.write(''.join(f"{s:.4f}\t{t}\n" for s, t in result))
+        return result[0][1]
+
+    if interactive:  # one line at a time, as typed
+        print(f"translate.py: {args.ckpt} loaded; type a sentence, Ctrl-D to quit", file=sys.stderr)
+        try:
+            for n, raw in enumerate(iter(sys.stdin.buffer.readline, b''), 1):
+                line = decode_line(raw.rstrip(b'\n'), '<stdin>', n)
+                write(list(translate_lines(model, enc, [line], first_line=n, **opts))[0])
+                out.flush()
+        except KeyboardInterrupt:
+            pass
+        return
+
+    stats, hyps, t0 = {}, [], time.time()
+    for result in translate_lines(model, enc, lines, stats=stats, **opts):
+        hyps.append(write(result))
+        out.flush()  # streaming: each line is visible as soon as it and those before it are done
+    dt = max(time.time() - t0, 1e-9)
+    if out is not sys.stdout:
+        out.close()
+    print(f"translate.py: {stats['sentences']} sentences in {dt:.1f}s: {stats['sentences'] / dt:.1f} "
+          f"sentences/s, {stats['tgt_tokens'] / dt:.0f} target tokens/s ({args.device}, {dtype})", file=sys.stderr)
+    if refs is not None:
+        for name, metric in (('sacreBLEU', BLEU()), ('chrF', CHRF())):
+            print(f"{name}: {metric.corpus_score(hyps, [refs])}  ({metric.get_signature()})", file=sys.stderr)
+        if args.paper_bleu:
+            print(f"paper BLEU (13a-tokenised, ##AT##-##AT## compounds): {paper_bleu(hyps, refs)}", file=sys.stderr)
+
+
+if __name__ == '__main__':
+    main()

@@ -37,8 +37,12 @@ def warn(msg):
 
 def save_atomic(obj, path):
     # Write then rename: a crash or a full disk mid-save never leaves a truncated file under the real name.
+    # fsync before the rename, or a power cut can leave the new name pointing at unwritten blocks.
     tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
+    with open(tmp, 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

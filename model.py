@@ -222,12 +222,12 @@ def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
     """Section 5.4. Returns (summed smoothed loss, summed NLL, number of target tokens), all over
     non-pad targets, so the caller can normalise by tokens across accumulation steps and GPUs.
     Smoothing spreads eps uniformly over the vocabulary, as tensor2tensor and fairseq do."""
-    logits = logits.reshape(-1, logits.size(-1)).float()
+    logp = F.log_softmax(logits.reshape(-1, logits.size(-1)).float(), dim=-1)
     target = target.reshape(-1)
     keep = target != pad_id
-    logp = F.log_softmax(logits[keep], dim=-1)
-    nll = -logp.gather(1, target[keep].unsqueeze(1)).sum()
-    smooth = -logp.mean(dim=-1).sum()
+    # Masking by multiplication rather than logp[keep]: no copy of the (tokens x vocab) matrix.
+    nll = F.nll_loss(logp, target, ignore_index=pad_id, reduction='sum')
+    smooth = -(logp.mean(dim=-1) * keep).sum()
     return (1.0 - eps) * nll + eps * smooth, nll.detach(), keep.sum()
 
 

@@ -6,7 +6,7 @@ How fast is model.py, measured on your own machine in one command:
     python bench.py --data data/NAME --peak h100 --json # real batches, MFU against a table peak, JSON
 
 Training: forward + backward + Adam step on token-based batches (synthetic lengths, or --data), for
-eager and torch.compile, float32 and bfloat16 autocast, next to torch.nn.Transformer with the same
+eager and torch.compile, float32 and bfloat16 autocast (bf16 only where native: model.fast_dtype), next to torch.nn.Transformer with the same
 dimensions, batch, masks, loss and optimizer. Achieved FLOP/s comes from the analytic count in
 flops_per_step; MFU divides it by a peak (a GPU table, or a GEMM timed here with --peak measured).
 Decoding: greedy with the KV cache and with full recomputation, and beam search, in sentences/s.
@@ -267,81 +267,88 @@ def cpu_name():
     return 'cpu'
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--config', default='small', choices=[*CONFIGS, *M.PRESETS],
                    help='tiny, small: defined here; base, big: model.preset')
     p.add_argument('--batch-tokens', type=int, default=2048, help='max padded tokens per side per batch')
     p.add_argument('--data', help='data/NAME from data_prep.py: real training batches instead of synthetic')
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--dtype', choices=DTYPES, help='for compile and decoding (default: bfloat16 on CUDA, else float32)')
-    p.add_argument('--peak', default=None, help='measured | ' + ' | '.join(PEAKS) + ' (default: table GPU if known, else measured)')
-    p.add_argument('--compile', choices=['auto', 'on', 'off'], default='auto', help='auto: on CUDA or for small/tiny')
-    p.add_argument('--warmup', type=int, default=2)
-    p.add_argument('--steps', type=int, default=5, help='timed training steps per variant')
+    p.add_argument('--dtype', choices=DTYPES, help='of the compiled row and decoding (default: model.fast_dtype); '
+                                                   'eager rows run float32 and, where native or asked for, bfloat16')
+    p.add_argument('--peak', choices=['measured', *PEAKS], help='MFU denominator (default: the table if this GPU '
+                                                                'is in it, else a GEMM timed here)')
+    p.add_argument('--compile', choices=['auto', 'on', 'off'], default='auto', help='auto: on CUDA or tiny/small')
+    p.add_argument('--warmup', type=int, default=2, help='untimed steps per row (compilation happens here)')
+    p.add_argument('--steps', type=int, default=5, help='timed training steps per row')
     p.add_argument('--decode-sents', type=int, default=32)
     p.add_argument('--beam', type=int, default=4)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json', action='store_true', help='print one JSON record instead of tables')
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     t_start, load = time.perf_counter(), os.getloadavg()[0]  # other processes on the cores skew timings
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype or ('bfloat16' if device.type == 'cuda' else 'float32')]
+    dtype_name = args.dtype or M.fast_dtype(device.type)
+    dtype = DTYPES[dtype_name]
+    # Emulated bf16 (AVX2-only CPUs) is ~100x slower than float32: its rows would take many minutes
+    # to measure nothing useful, so they run only where bf16 is native or asked for.
+    dtypes = [d for d in DTYPES if d == 'float32' or M.fast_dtype(device.type) == d or args.dtype == d]
     if device.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     rng = np.random.default_rng(args.seed)
 
-    overrides = CONFIGS.get(args.config, {})
-    cfg = M.preset(args.config) if args.config in M.PRESETS else M.Config(**overrides)
+    cfg = M.preset(args.config) if args.config in M.PRESETS else M.Config(**CONFIGS[args.config])
     n_batches, n_pool = args.warmup + args.steps, 40 * args.batch_tokens // 25  # ~40 batches to draw from
     if args.data:
         pairs, meta = real_pairs(args.data, n_pool, rng, cfg.max_len - 2)
-        cfg = M.Config(**{**asdict(cfg), 'vocab_size': meta['vocab_size'], 'pad_id': meta['pad_id'],
-                          'bos_id': meta['bos_id'], 'eos_id': meta['eos_id']})
+        cfg = M.Config(**{**asdict(cfg), **{k: meta[k] for k in ('vocab_size', 'pad_id', 'bos_id', 'eos_id')}})
         dec_pairs = [pairs[i] for i in rng.choice(len(pairs), args.decode_sents)]
     else:
         pairs = synthetic_pairs(n_pool, cfg.vocab_size, rng)
         dec_pairs = synthetic_pairs(args.decode_sents, cfg.vocab_size, rng)
     batches = make_batches(pairs, args.batch_tokens, cfg, rng, n_batches, device)
     if len(batches) < n_batches:
-        raise SystemExit(f'only {len(batches)} batches of {args.batch_tokens} tokens; use a smaller --batch-tokens')
+        raise SystemExit(f'only {len(batches)} batches of {args.batch_tokens} tokens; lower --batch-tokens')
 
-    peak_name = args.peak or next((k for k in PEAKS if device.type == 'cuda' and k in torch.cuda.get_device_name().lower()), 'measured')
-    peaks = {k: measure_peak(v, device) if peak_name == 'measured' else PEAKS[peak_name][k] for k, v in DTYPES.items()}
+    gpu = torch.cuda.get_device_name().lower() if device.type == 'cuda' else ''
+    peak_name = args.peak or next((k for k in PEAKS if k in gpu), 'measured')
+    peaks = {k: measure_peak(DTYPES[k], device) if peak_name == 'measured' else PEAKS[peak_name][k] for k in dtypes}
 
     use_compile = args.compile == 'on' or (args.compile == 'auto' and (device.type == 'cuda' or args.config in CONFIGS))
-    variants = [('ours', False, torch.float32), ('ours', False, torch.bfloat16)]
+    variants = [('ours', False, DTYPES[d]) for d in dtypes]
     variants += [('ours', True, dtype)] if use_compile else []
-    variants += [('torch.nn.Transformer', False, torch.float32), ('torch.nn.Transformer', False, torch.bfloat16)]
+    variants += [('torch.nn.Transformer', False, DTYPES[d]) for d in dtypes]
     train = [bench_train(cfg, impl, c, dt, batches, args.warmup, device) for impl, c, dt in variants]
-    ref = train[0]['tokens_per_s']
+    rows = {(r['impl'], r['mode'], r['dtype']): r for r in train}
     for r in train:
         r['mfu'] = r['flops_per_s'] / peaks[r['dtype']]
-        r['vs_ours_eager_fp32'] = r['tokens_per_s'] / ref
-    find = lambda impl, mode, dt: next((r for r in train if (r['impl'], r['mode'], r['dtype']) == (impl, mode, dt)), None)
-    ratios = {f'ours/built-in {dt}': find('ours', 'eager', dt)['tokens_per_s'] / find('torch.nn.Transformer', 'eager', dt)['tokens_per_s']
-              for dt in DTYPES}
-    ratios['bfloat16/float32 (ours eager)'] = find('ours', 'eager', 'bfloat16')['tokens_per_s'] / ref
+        r['vs_ours_eager_fp32'] = r['tokens_per_s'] / train[0]['tokens_per_s']
+    speed = lambda impl, mode, dt: rows[impl, mode, dt]['tokens_per_s']
+    ratios = {f'ours/built-in {dt}': speed('ours', 'eager', dt) / speed('torch.nn.Transformer', 'eager', dt)
+              for dt in dtypes}
+    if 'bfloat16' in dtypes:
+        ratios['bfloat16/float32 (ours eager)'] = speed('ours', 'eager', 'bfloat16') / speed('ours', 'eager', 'float32')
     if use_compile:
-        name = str(dtype).split('.')[-1]
-        ratios[f'compile/eager (ours {name})'] = find('ours', 'compile', name)['tokens_per_s'] / find('ours', 'eager', name)['tokens_per_s']
+        ratios[f'compile/eager (ours {dtype_name})'] = (speed('ours', 'compile', dtype_name)
+                                                       / speed('ours', 'eager', dtype_name))
 
-    dec_src = collate(dec_pairs, cfg, device)['src']
-    decode = bench_decode(cfg, dec_src, dtype, args.beam, device)
-    cached, recompute = decode[0]['sents_per_s'], decode[1]['sents_per_s']
-
+    decode = bench_decode(cfg, collate(dec_pairs, cfg, device)['src'], dtype, args.beam, device)
     timed = batches[args.warmup:]
-    padded = sum(b['src'].numel() + b['tgt_in'].numel() for b in timed)
     record = dict(
-        device=torch.cuda.get_device_name() if device.type == 'cuda' else cpu_name(), device_type=device.type,
-        torch=torch.__version__, threads=torch.get_num_threads(), load_avg_before=load, config=args.config, model_cfg=asdict(cfg),
+        device=torch.cuda.get_device_name() if gpu else cpu_name(), device_type=device.type, torch=torch.__version__,
+        threads=torch.get_num_threads(), load_avg_before=load, config=args.config, model_cfg=asdict(cfg),
         params=train[0]['params'], data=args.data or 'synthetic', batch_tokens=args.batch_tokens,
         warmup_steps=args.warmup, timed_steps=args.steps,
         sentences_per_batch=sum(b['src'].size(0) for b in timed) / len(timed),
-        real_token_fraction=sum(b['n_src'] + b['n_tgt'] for b in timed) / padded,
+        real_token_fraction=(sum(b['n_src'] + b['n_tgt'] for b in timed)
+                             / sum(b['src'].numel() + b['tgt_in'].numel() for b in timed)),
         peak_source=peak_name, peak_flops=peaks, train=train, ratios=ratios, decode=decode,
-        kv_cache_speedup=cached / recompute, decode_sentences=len(dec_pairs),
-        decode_dtype=str(dtype).split('.')[-1], elapsed_s=time.perf_counter() - t_start)
+        kv_cache_speedup=decode[0]['sents_per_s'] / decode[1]['sents_per_s'], decode_sentences=len(dec_pairs),
+        decode_dtype=dtype_name, elapsed_s=time.perf_counter() - t_start)
     if args.json:
         print(json.dumps(record))
     else:
@@ -350,29 +357,31 @@ def main(argv=None):
 
 
 def report(r):
+    c = r['model_cfg']
     print(f"{r['device']} ({r['device_type']}, {r['threads']} threads), torch {r['torch']}, "
           f"load average before the run {r['load_avg_before']:.2f}")
     if r['device_type'] == 'cpu' and r['load_avg_before'] > 0.5:
         print('WARNING: other processes were using the CPU; close them and rerun for trustworthy figures')
-    c = r['model_cfg']
-    print(f"config {r['config']}: {c['n_enc_layers']}+{c['n_dec_layers']} layers, d_model {c['d_model']}, d_ff {c['d_ff']}, "
-          f"heads {c['n_heads']}, vocab {c['vocab_size']}, {r['params'] / 1e6:.1f}M params")
-    print(f"batches: {r['data']}, <= {r['batch_tokens']} padded tokens per side, {r['sentences_per_batch']:.0f} sentences "
-          f"on average, {100 * r['real_token_fraction']:.0f}% real tokens; {r['warmup_steps']} warm-up + "
+    print(f"config {r['config']}: {c['n_enc_layers']}+{c['n_dec_layers']} layers, d_model {c['d_model']}, "
+          f"d_ff {c['d_ff']}, heads {c['n_heads']}, vocab {c['vocab_size']}, {r['params'] / 1e6:.1f}M params")
+    print(f"batches: {r['data']}, <= {r['batch_tokens']} padded tokens per side, {r['sentences_per_batch']:.0f} "
+          f"sentences on average, {100 * r['real_token_fraction']:.0f}% real tokens; {r['warmup_steps']} warm-up + "
           f"{r['timed_steps']} timed steps per row")
-    print('peak ({}): {}'.format(r['peak_source'], ', '.join(f'{k} {v / 1e12:.3g} TFLOP/s' for k, v in r['peak_flops'].items())))
+    print(f"peak ({r['peak_source']}): " + ', '.join(f'{k} {v / 1e12:.3g} TFLOP/s' for k, v in r['peak_flops'].items()))
     print('\nTraining step (forward + backward + Adam). tok/s = real (non-pad) source + target tokens; '
           'FLOP/s over padded shapes (flops_per_step)')
-    hdr = f"{'implementation':<22}{'mode':<9}{'dtype':<10}{'step ms':>9}{'tok/s':>9}{'tgt tok/s':>10}" \
-          f"{'TFLOP/s':>9}{'MFU':>7}{'x ref':>7}{'warmup s':>10}{'peak MiB':>10}"
+    hdr = (f"{'implementation':<22}{'mode':<9}{'dtype':<10}{'step ms':>9}{'tok/s':>9}{'tgt tok/s':>10}"
+           f"{'TFLOP/s':>9}{'MFU':>7}{'x ref':>7}{'warmup s':>10}{'peak MiB':>10}")
     print(hdr + '\n' + '-' * len(hdr))
     for t in r['train']:
         print(f"{t['impl']:<22}{t['mode']:<9}{t['dtype']:<10}{t['step_ms']:>9.0f}{t['tokens_per_s']:>9.0f}"
               f"{t['tgt_tokens_per_s']:>10.0f}{t['flops_per_s'] / 1e12:>9.3f}{100 * t['mfu']:>6.1f}%"
               f"{t['vs_ours_eager_fp32']:>7.2f}{t['warmup_s']:>10.1f}{t['peak_mem_bytes'] / 2**20:>10.0f}")
-    print(f"x ref = tokens/s relative to the first row; warmup s includes compilation; peak MiB = {r['train'][0]['mem_kind']}")
+    print(f"x ref = tokens/s relative to the first row; warmup s includes compilation; "
+          f"peak MiB = {r['train'][0]['mem_kind']}")
     print('ratios: ' + ', '.join(f'{k} {v:.2f}x' for k, v in r['ratios'].items()))
-    print(f"\nDecoding {r['decode_sentences']} sentences in one batch ({r['decode_dtype']}, output length = source length)")
+    print(f"\nDecoding {r['decode_sentences']} sentences in one batch ({r['decode_dtype']}, "
+          f"output length = source length)")
     hdr = f"{'search':<10}{'cache':<12}{'sent/s':>9}{'tgt tok/s':>11}"
     print(hdr + '\n' + '-' * len(hdr))
     for d in r['decode']:

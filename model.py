@@ -329,3 +329,13 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
         hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
         out.append(hyps[:nbest])
     return out
+
+
+def fast_dtype(device_type):
+    """'bfloat16' where bf16 matrix multiply is native (GPUs; CPUs with AVX512-BF16 or AMX), else
+    'float32'. An AVX2-only CPU emulates bf16: a 2048^2 matmul ran at 0.3 GFLOP/s against 170 in
+    float32 on a 2-core AVX2 EPYC, while on one with AVX512-BF16 bf16 is about 4x float32."""
+    if device_type == 'cuda':
+        return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
+    native = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False)() for isa in ('avx512_bf16', 'amx_tile')]
+    return 'bfloat16' if device_type == 'cpu' and any(native) else 'float32'

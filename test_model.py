@@ -195,3 +195,11 @@ def test_tiny_model_learns_to_copy():
 def test_import_has_no_side_effects():
     out = subprocess.run([sys.executable, '-c', 'import model'], capture_output=True, text=True, cwd=M.__file__.rsplit('/', 1)[0])
     assert out.returncode == 0 and out.stdout == '' and out.stderr == ''
+
+
+def test_fast_dtype_needs_native_bf16(monkeypatch):
+    for isa in ('avx512_bf16', 'amx_tile'):
+        monkeypatch.setattr(torch.cpu, f'_is_{isa}_supported', lambda: False, raising=False)
+    assert M.fast_dtype('cpu') == 'float32'
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: True, raising=False)
+    assert M.fast_dtype('cpu') == 'bfloat16'

@@ -1,4 +1,4 @@
-# Multi30k en-de on a laptop CPU (2 cores, bf16): a small model, 30 minutes of training.
+# Multi30k en-de on a laptop CPU (2 cores): a small model, 30 minutes of training.
 # Prepare: python data_prep.py multi30k --src en --tgt de
 # Run:     python train.py config/multi30k.py
 data_dir = 'data/multi30k_en_de'
@@ -9,13 +9,16 @@ d_model = 256
 d_ff = 1024
 n_heads = 4
 dropout = 0.1
-max_tokens = 4096
+# Departure from the paper's post-norm: in 6-minute pilots (2048 tokens, warmup 800, bf16 CPU) pre-norm
+# at lr 2e-3 reached valid loss 4.86 at step 300 where post-norm at lr 1e-3 had 5.51; see README.
+pre_norm = True
+max_tokens = 2048  # as in the pilots: ~200 updates per epoch of Multi30k
 update_freq = 1
 max_steps = 100000
 max_minutes = 30.0
 schedule = 'inverse_sqrt'
-lr = 1e-3
-warmup = 400
+lr = 2e-3
+warmup = 800
 label_smoothing = 0.1
 dtype = 'auto'  # bfloat16 where the CPU has it natively (AVX512-BF16, AMX), else float32
 compile = False

@@ -161,6 +161,14 @@ def sync(device):
 def measure_peak(dtype, device):
     # Best of a few large square GEMMs: what the matmul units reach here (MFU's denominator on a CPU).
     n = 4096 if device.type == 'cuda' else 2048  # on 2 CPU cores 2048 already saturates, 4096 takes 1 s
+    if device.type == 'cpu':
+        # Emulated bf16 (AVX2) runs at 0.3 GFLOP/s: a 2048^2 GEMM would take a minute. Size it from a
+        # small probe so that one GEMM takes about 0.3 s at most.
+        a = torch.randn(256, 256, dtype=dtype)
+        a @ a
+        t = time.perf_counter()
+        a @ a
+        n = min(n, max(256, 256 * int((0.3 / (time.perf_counter() - t)) ** (1 / 3))))
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     best = math.inf
     for _ in range(4):

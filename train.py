@@ -389,6 +389,7 @@ if master:
     save(os.path.join(out_dir, 'ckpt.pt'), full=False)
     log(f"averaged {len(newest)} checkpoint(s) into {os.path.join(out_dir, 'ckpt.pt')}")
     evaluate(final=True)
-    log(f"done: step {step}, {(time.time() - t_start) / 60:.1f} min, best valid BLEU {best_bleu:.2f}")
+    bleu_note = f', best valid BLEU {best_bleu:.2f}' if best_bleu >= 0 else ''  # -1: BLEU never computed
+    log(f"done: step {step}, {(time.time() - t_start) / 60:.1f} min{bleu_note}")
 if ddp:
     dist.destroy_process_group()

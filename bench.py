@@ -6,9 +6,10 @@ How fast is model.py, measured on your own machine in one command:
     python bench.py --data data/NAME --peak h100 --json # real batches, MFU against a table peak, JSON
 
 Training: forward + backward + Adam step on token-based batches (synthetic lengths, or --data), for
-eager and torch.compile, float32 and bfloat16 autocast (bf16 only where native: model.fast_dtype), next to torch.nn.Transformer with the same
-dimensions, batch, masks, loss and optimizer. Achieved FLOP/s comes from the analytic count in
-flops_per_step; MFU divides it by a peak (a GPU table, or a GEMM timed here with --peak measured).
+eager and torch.compile, float32 and bfloat16 autocast (bf16 only where native: model.fast_dtype),
+next to torch.nn.Transformer with the same dimensions, batch, masks, loss and optimizer. Achieved FLOP/s
+comes from the analytic count in flops_per_step; MFU divides it by a peak (a GPU table, or a GEMM timed
+here with --peak measured).
 Decoding: greedy with the KV cache and with full recomputation, and beam search, in sentences/s.
 """
 import argparse
@@ -300,11 +301,12 @@ def main(argv=None):
     args = parse_args(argv)
     t_start, load = time.perf_counter(), os.getloadavg()[0]  # other processes on the cores skew timings
     device = torch.device(args.device)
-    dtype_name = args.dtype or M.fast_dtype(device.type)
+    native = M.fast_dtype(device.type)
+    dtype_name = args.dtype or native
     dtype = DTYPES[dtype_name]
-    # Emulated bf16 (AVX2-only CPUs) is ~100x slower than float32: its rows would take many minutes
-    # to measure nothing useful, so they run only where bf16 is native or asked for.
-    dtypes = [d for d in DTYPES if d == 'float32' or M.fast_dtype(device.type) == d or args.dtype == d]
+    # Emulated bf16 (AVX2-only CPUs) is hundreds of times slower than float32: its rows would take
+    # minutes to measure nothing useful, so they run only where bf16 is native or asked for.
+    dtypes = [d for d in DTYPES if d in ('float32', native, dtype_name)]
     if device.type == 'cuda':
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     rng = np.random.default_rng(args.seed)

@@ -163,13 +163,16 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # As tensor2tensor and fairseq: Xavier-uniform linear weights (Q, K and V each as their own
-        # d_model x d_model matrix, as if unfused), zero biases, embeddings N(0, d_model^-0.5) so
-        # that after the sqrt(d_model) scaling of section 3.4 they have unit variance.
+        # As tensor2tensor: Xavier-uniform weights, each computed for the matrix as the paper writes it.
+        # The fused projections hold several d_model x d_model matrices (W^Q, W^K, W^V of section 3.2.2),
+        # so each block gets its own Xavier bound sqrt(6 / (2 d_model)); the FFN's W1, W2 and the output
+        # projections are single matrices and get plain Xavier, e.g. sqrt(6 / (d_model + d_ff)) for W1.
+        # Biases zero; embeddings N(0, d_model^-0.5), unit variance after the sqrt(d_model) of section 3.4.
         d = self.cfg.d_model
-        for m in self.modules():
+        for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                for w in m.weight.split(d, dim=0) if m.weight.size(0) > d else [m.weight]:
+                fused = name.endswith(('qkv_proj', 'kv_proj'))
+                for w in m.weight.split(d, dim=0) if fused else [m.weight]:
                     nn.init.xavier_uniform_(w)
                 nn.init.zeros_(m.bias)
         nn.init.normal_(self.embed.weight, mean=0.0, std=d ** -0.5)
@@ -221,14 +224,17 @@ def reorder_cache(cache, index):
 def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
     """Section 5.4. Returns (summed smoothed loss, summed NLL, number of target tokens), all over
     non-pad targets, so the caller can normalise by tokens across accumulation steps and GPUs.
-    Smoothing spreads eps uniformly over the vocabulary, as tensor2tensor and fairseq do."""
-    logp = F.log_softmax(logits.reshape(-1, logits.size(-1)).float(), dim=-1)
+    As tensor2tensor and fairseq (not torch's cross_entropy, which spreads eps over all V ids): the
+    target gets 1 - eps and each of the other V - 1 ids eps / (V - 1)."""
+    V = logits.size(-1)
+    logp = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)
     target = target.reshape(-1)
     keep = target != pad_id
     # Masking by multiplication rather than logp[keep]: no copy of the (tokens x vocab) matrix.
     nll = F.nll_loss(logp, target, ignore_index=pad_id, reduction='sum')
-    smooth = -(logp.mean(dim=-1) * keep).sum()
-    return (1.0 - eps) * nll + eps * smooth, nll.detach(), keep.sum()
+    smooth = -(logp.sum(dim=-1) * keep).sum()  # over all V ids, the target's included ...
+    eps_i = eps / (V - 1)
+    return (1.0 - eps - eps_i) * nll + eps_i * smooth, nll.detach(), keep.sum()  # ... taken back out here
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,9 +312,10 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
         src_beam, tok = idx // V, idx % V
         is_eos = tok == cfg.eos_id
         # Finished: EOS candidates that rank among the k best join the k best finished hypotheses of
-        # their sentence (as fairseq; counting all 2k would make beam 1 differ from greedy).
-        is_eos[:, k:] = False
-        eos_scores = torch.where(is_eos & ~done[:, None], top / length_penalty(t + 1, alpha), -math.inf)
+        # their sentence (as fairseq; counting all 2k would make beam 1 differ from greedy). An EOS
+        # ranked k..2k-1 is dropped: it neither finishes nor stays alive.
+        finishes = is_eos & (torch.arange(2 * k, device=dev) < k) & ~done[:, None]
+        eos_scores = torch.where(finishes, top / length_penalty(t + 1, alpha), -math.inf)
         hist = tokens.view(B, k, -1).gather(1, src_beam[:, :, None].expand(-1, -1, t + 1))
         cand_tokens = F.pad(torch.cat([hist[:, :, 1:], tok[:, :, None]], 2), (0, L - t), value=cfg.pad_id)
         fin_scores, order = torch.cat([fin_scores, eos_scores], 1).topk(k, dim=1)

@@ -118,17 +118,33 @@ def test_num_params_counts_tied_tensor_once():
     assert m.num_params() == analytic_params(24, 32, 64, 2)
 
 
-def test_label_smoothed_loss_matches_cross_entropy_and_ignores_pad():
+def test_label_smoothing_gives_eps_over_the_other_classes_and_ignores_pad():
+    # tensor2tensor / fairseq: target 1 - eps, each of the V - 1 other ids eps / (V - 1).
     torch.manual_seed(0)
-    logits, target = torch.randn(2, 5, 11), torch.randint(3, 11, (2, 5))
+    V, eps = 11, 0.1
+    logits, target = torch.randn(2, 5, V), torch.randint(3, V, (2, 5))
     target[1, 3:] = PAD
-    loss, nll, ntok = M.label_smoothed_loss(logits, target, eps=0.1, pad_id=PAD)
-    ref = F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=PAD, label_smoothing=0.1,
-                          reduction='sum')
+    loss, nll, ntok = M.label_smoothed_loss(logits, target, eps=eps, pad_id=PAD)
+    q = torch.full((10, V), eps / (V - 1)).scatter_(1, target.view(-1, 1), 1 - eps)
+    per_token = -(q * F.log_softmax(logits.view(-1, V), -1)).sum(-1)
     assert ntok.item() == 8
-    torch.testing.assert_close(loss, ref)
-    torch.testing.assert_close(nll, F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=PAD,
+    torch.testing.assert_close(loss, per_token[target.view(-1) != PAD].sum())
+    torch.testing.assert_close(nll, F.cross_entropy(logits.view(-1, V), target.view(-1), ignore_index=PAD,
                                                     reduction='sum'))
+
+
+def test_init_is_xavier_per_matrix_of_the_paper():
+    # Q, K and V each Xavier as their own d x d matrix; the FFN and output projections plain Xavier.
+    torch.manual_seed(0)
+    d, ff = 64, 512
+    m = M.Transformer(M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=d, d_ff=ff, n_heads=4))
+    layer = m.decoder[0]
+    for w, fan_sum in [(layer.ffn.w1.weight, d + ff), (layer.ffn.w2.weight, d + ff),
+                       (layer.self_attn.out_proj.weight, 2 * d), (layer.cross_attn.q_proj.weight, 2 * d),
+                       *[(w, 2 * d) for w in layer.self_attn.qkv_proj.weight.split(d)],
+                       *[(w, 2 * d) for w in layer.cross_attn.kv_proj.weight.split(d)]]:
+        bound = (6 / fan_sum) ** 0.5
+        assert 0.95 * bound < w.abs().max().item() <= bound
 
 
 def test_beam_of_one_is_greedy():
@@ -155,6 +171,55 @@ def test_beam_scores_sorted_and_equal_forward_log_prob(alpha):
         for hyp, score in hyps:
             expected = seq_log_prob(m, src, hyp) / M.length_penalty(len(hyp) + 1, alpha)
             assert score == pytest.approx(expected, abs=1e-4)
+
+
+class Scripted(torch.nn.Module):
+    """A 'model' whose next-token distribution is a table keyed by the prefix generated so far; it keeps
+    the prefix in the self-attention cache, so beam search reorders it like real keys and values."""
+
+    def __init__(self, table, default):
+        super().__init__()
+        self.cfg = M.Config(vocab_size=6, max_len=64)
+        self.table, self.default = table, default
+
+    def encode(self, src):
+        return torch.zeros(src.size(0), src.size(1), 1), (src != PAD)[:, None, None, :]
+
+    def new_cache(self):
+        return [{'self': {}, 'cross': {}}]
+
+    def decode(self, tokens, memory, src_mask, cache):
+        c = cache[0]['self']
+        hist = tokens if 'k' not in c else torch.cat([c['k'][:, 0, :, 0].long(), tokens], 1)
+        c['k'] = c['v'] = hist[:, None, :, None].float()
+        probs = [self.table.get(tuple(row[1:]), self.default) for row in hist.tolist()]
+        logp = torch.full((len(probs), 6), -math.inf)
+        for row, p in enumerate(probs):
+            for tok, pr in p.items():
+                logp[row, tok] = math.log(pr)
+        return logp[:, None, :]
+
+
+def test_beam_never_keeps_an_eos_candidate_alive():
+    # Step 2 ranks [3 EOS] > [3 5] > [4 EOS] > [4 5]: [4 EOS] ranks k..2k-1 for k = 2, so it must be
+    # dropped, not kept alive to finish later as '[4]' with the score of a longer sequence.
+    table = {(): {3: .5, 4: .3, EOS: .1, 5: .1}, (3,): {EOS: .6, 5: .3, 3: .05, 4: .05},
+             (4,): {EOS: .4, 5: .3, 3: .2, 4: .1}, (3, 5): {EOS: .2, 3: .4, 4: .2, 5: .2}}
+    default = {EOS: .99, 3: .005, 4: .003, 5: .002}
+    m = Scripted(table, default)
+
+    def score(hyp, alpha):
+        p, logp = (), 0.0
+        for tok in hyp + [EOS]:
+            logp += math.log(table.get(p, default)[tok])
+            p += (tok,)
+        return logp / M.length_penalty(len(hyp) + 1, alpha)
+
+    for alpha in (0.0, 0.6):
+        hyps = M.beam_search(m, torch.tensor([[3, EOS]]), beam=2, alpha=alpha, max_len_b=6, nbest=2)[0]
+        for hyp, s in hyps:
+            assert s == pytest.approx(score(hyp, alpha), abs=1e-6), (hyp, s)
+        assert [4] not in [h for h, _ in hyps]
 
 
 def test_outputs_respect_max_length():

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import requests
-import rustbpe
 import tiktoken
 import urllib3
 
@@ -209,6 +208,8 @@ def read_lines(path, member=None):
             if name.endswith('.gz'):
                 f = io.BufferedReader(gzip.GzipFile(fileobj=f), 1 << 20)  # C readline, not gzip's
             for i, raw in enumerate(f, 1):
+                if i == 1 and raw.startswith(b'\xef\xbb\xbf'):
+                    raw = raw[3:]  # a UTF-8 byte-order mark marks the encoding; it is not text
                 try:
                     line = LINE_BREAKS.sub(' ', raw.decode('utf-8').rstrip('\n').rstrip('\r'))
                 except UnicodeDecodeError as e:
@@ -243,6 +244,7 @@ def read_pairs(files):
 def train_tokenizer(texts, vocab_size, name):
     """Joint byte-level BPE on an iterator of strings -> the JSON-able dict of tokenizer.json.
     vocab_size counts the 256 byte tokens; the specials come right after the merges."""
+    import rustbpe  # here, not at the top: translating and training need only tiktoken
     tok = rustbpe.Tokenizer()
     tok.train_from_iterator(texts, vocab_size, pattern=PATTERN)
     ranks = sorted(((bytes(b), r) for b, r in tok.get_mergeable_ranks()), key=lambda br: br[1])
@@ -433,6 +435,10 @@ def prepare(args):
     for split in ('train', 'valid', 'test'):
         clean = {'max_len': args.max_len, 'max_ratio': args.max_ratio} if split == 'train' else {}
         st = write_split(out, split, read_pairs(files[split]), enc, langs, args.workers, **clean)
+        if st['pairs'] == 0:
+            names = ', '.join(f'{label(s)} / {label(t)}' for s, t in files[split])
+            why = f" ({st['raw']} read, all dropped: {st['dropped']})" if st['raw'] else ''
+            sys.exit(f'error: the {split} split has no sentence pairs{why}: {names}')
         splits[split] = {'pairs': st['pairs'], 'src_tokens': st['tokens'][0], 'tgt_tokens': st['tokens'][1]}
         raw[split] = st['raw']
         if split == 'train':

@@ -390,6 +390,31 @@ def test_cli_errors_are_one_clean_message_not_a_traceback(tmp_path):
     assert r.returncode == 1 and 'Traceback' not in r.stderr and 'line counts differ' in r.stderr
 
 
+def test_empty_training_split_after_reading_or_cleaning_is_an_error(tmp_path):
+    for name, train in [('empty', []), ('all_dropped', [('one two three four five six', 'eins')] * 5)]:
+        root = tmp_path / name
+        root.mkdir()
+        write_custom(root, {'train': train, 'valid': toy_pairs(3, 27), 'test': toy_pairs(3, 28)})
+        with pytest.raises(SystemExit) as e:
+            data_prep.main(custom_args(root, root / 'out'))
+        assert 'the train split has no sentence pairs' in str(e.value) and str(root / 'train.xx') in str(e.value)
+        assert not (root / 'out' / 'meta.json').exists()
+
+
+def test_byte_order_mark_is_not_part_of_the_first_sentence(tmp_path):
+    (tmp_path / 'f.txt').write_bytes('\ufeffHallo Welt\nzwei\n'.encode('utf-8'))
+    (tmp_path / 'g.txt.gz').write_bytes(gzip.compress('\ufeffeins\n'.encode('utf-8')))
+    assert list(data_prep.read_lines(str(tmp_path / 'f.txt'))) == ['Hallo Welt', 'zwei']
+    assert list(data_prep.read_lines(str(tmp_path / 'g.txt.gz'))) == ['eins']
+
+
+def test_translating_needs_no_rustbpe():
+    # Only preparing data trains a BPE; a GPU box or a server with tiktoken alone must import the rest.
+    code = "import sys; sys.modules['rustbpe'] = None; import data_prep, translate, model"
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=HERE)
+    assert r.returncode == 0, r.stderr
+
+
 def test_reads_gz_tgz_sgm_and_odd_line_breaks_without_shifting_lines(tmp_path):
     lines = ['plain', 'crlf ending', 'lone\rcarriage return', 'line\u2028separator', 'next\x85line', 'ÄÖÜ']
     raw = b'plain\ncrlf ending\r\nlone\rcarriage return\n' + 'line\u2028separator\nnext\x85line\nÄÖÜ\n'.encode()

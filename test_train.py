@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,11 +18,9 @@ TINY = ['--n_enc_layers=1', '--n_dec_layers=1', '--d_model=32', '--d_ff=64', '--
         '--schedule=inverse_sqrt', '--lr=1e-3', '--warmup=10', '--device=cpu']
 
 
-@pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
+def toy_corpus(root, seed=0):
     """A toy parallel corpus (word-for-word substitution, reversed) prepared by data_prep.py."""
-    root = tmp_path_factory.mktemp('toy')
-    rng = random.Random(0)
+    rng = random.Random(seed)
     words = [f'w{i}' for i in range(40)]
     for split, n in [('train', 1200), ('valid', 40), ('test', 40)]:
         src = [[rng.choice(words) for _ in range(rng.randint(2, 12))] for _ in range(n)]
@@ -34,24 +33,41 @@ def data_dir(tmp_path_factory):
     return str(out)
 
 
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    return toy_corpus(tmp_path_factory.mktemp('toy'))
+
+
+@pytest.fixture(scope='module')
+def other_data_dir(tmp_path_factory):  # the same sizes, another corpus: another BPE of as many tokens
+    return toy_corpus(tmp_path_factory.mktemp('other'), seed=1)
+
+
 def free_port():
     with socket.socket() as s:  # torchrun's --master_port=0 hangs the static rendezvous
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
 
-def train(args, out_dir, data_dir, nproc=1):
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run',
-                                                    f'--nproc_per_node={nproc}', f'--master_port={free_port()}']
+def train(args, out_dir, data_dir, nproc=1, ok=True, launcher=None):
+    launcher = launcher or ([sys.executable] if nproc == 1 else [
+        sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master_port={free_port()}'])
     cmd = launcher + ['train.py'] + TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}'] + args
     env = dict(os.environ, OMP_NUM_THREADS='1')
     res = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=env)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    if ok:
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    else:
+        assert res.returncode != 0 and 'Traceback' not in res.stderr, res.stderr[-3000:]
     return res
 
 
 def final_params(out_dir, step):
     return torch.load(os.path.join(out_dir, f'ckpt_{step:07d}.pt'), weights_only=False)['model']
+
+
+def records(out_dir, key):
+    return [r for r in map(json.loads, open(os.path.join(out_dir, 'log.jsonl'))) if key in r]
 
 
 def train_losses(out_dir):
@@ -62,19 +78,135 @@ def test_few_steps_write_loadable_checkpoint(data_dir, tmp_path):
     out = tmp_path / 'run'
     res = train(['--max_steps=6', '--save_interval=3', '--bleu_interval=0'], out, data_dir)
     assert 'tgt tok/s' in res.stdout and 'ETA' in res.stdout
-    assert sorted(os.listdir(out)) == ['ckpt.pt', 'ckpt_0000003.pt', 'ckpt_0000006.pt', 'ckpt_best.pt', 'log.jsonl']
+    assert sorted(os.listdir(out)) == ['ckpt.pt', 'ckpt_0000003.pt', 'ckpt_0000006.pt', 'ckpt_best.pt', 'log.jsonl',
+                                       'state_0000006.pt']
     model, enc, ckpt = translate.load_checkpoint(str(out / 'ckpt.pt'), 'cpu')
     assert ckpt['step'] == 6 and ckpt['config']['max_steps'] == 6
     assert len(list(translate.translate_lines(model, enc, ['w1 w2 w3'], beam=2))) == 1
 
 
 def test_ddp_two_processes_equal_one_process_with_update_freq_2(data_dir, tmp_path):
-    common = ['--max_steps=4', '--dtype=float32', '--dropout=0.0', '--save_interval=4']
+    # Validation is split across the ranks: its loss and BLEU must still be those of one process.
+    common = ['--max_steps=4', '--dtype=float32', '--dropout=0.0', '--save_interval=4', '--bleu_interval=0']
     train(common + ['--update_freq=2'], tmp_path / 'one', data_dir)
     train(common, tmp_path / 'two', data_dir, nproc=2)
     a, b = final_params(tmp_path / 'one', 4), final_params(tmp_path / 'two', 4)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+    (va,), (vb,) = records(tmp_path / 'one', 'valid_bleu'), records(tmp_path / 'two', 'valid_bleu')
+    assert va['valid_bleu'] == vb['valid_bleu'] and va['valid_loss'] == pytest.approx(vb['valid_loss'], rel=1e-5)
+
+
+def test_weight_snapshots_hold_no_optimizer_state_and_few_full_states_are_kept(data_dir, tmp_path):
+    train(['--max_steps=6', '--save_interval=2', '--keep_last=3', '--keep_state=2'], tmp_path, data_dir)
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith('state_')) == ['state_0000004.pt', 'state_0000006.pt']
+    for step in (2, 4, 6):
+        assert 'optimizer' not in torch.load(tmp_path / f'ckpt_{step:07d}.pt', weights_only=False)
+    assert 'optimizer' in torch.load(tmp_path / 'state_0000006.pt', weights_only=False)
+
+
+def test_fresh_run_into_a_used_out_dir_is_refused_unless_overwrite(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=1'], tmp_path, data_dir)
+    res = train(['--max_steps=2'], tmp_path, data_dir, ok=False)
+    assert str(tmp_path) in res.stderr and '--init_from=resume' in res.stderr and '--overwrite=True' in res.stderr
+    assert len(records(tmp_path, 'loss')) == 2
+    train(['--max_steps=3', '--overwrite=True', '--save_interval=0'], tmp_path, data_dir)
+    assert [r['step'] for r in records(tmp_path, 'loss')] == [1, 2, 3]
+    assert translate.checkpoints(str(tmp_path)) == [str(tmp_path / 'ckpt_0000003.pt')]
+
+
+def test_resume_or_fine_tune_with_another_tokenizer_is_refused(data_dir, other_data_dir, tmp_path):
+    assert json.load(open(os.path.join(data_dir, 'meta.json')))['vocab_size'] == \
+        json.load(open(os.path.join(other_data_dir, 'meta.json')))['vocab_size']
+    train(['--max_steps=2', '--save_interval=1'], tmp_path / 'a', data_dir)
+    res = train(['--max_steps=4', '--init_from=resume'], tmp_path / 'a', other_data_dir, ok=False)
+    assert 'another tokenizer' in res.stderr and 'state_0000002.pt' in res.stderr
+    res = train(['--max_steps=4', f'--init_from={tmp_path / "a" / "ckpt.pt"}'], tmp_path / 'b', other_data_dir, ok=False)
+    assert 'another tokenizer' in res.stderr and 'ckpt.pt' in res.stderr
+
+
+def test_fine_tune_starts_a_new_run_from_the_checkpoint_weights(data_dir, tmp_path):
+    train(['--max_steps=3', '--d_model=48', '--n_heads=6'], tmp_path / 'a', data_dir)
+    # lr 0: the new run's first snapshot must hold the source weights unchanged, at step 1, with a fresh optimizer
+    train(['--max_steps=1', '--lr=0.0', f'--init_from={tmp_path / "a" / "ckpt.pt"}'], tmp_path / 'b', data_dir)
+    src = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=False)
+    new = torch.load(tmp_path / 'b' / 'state_0000001.pt', weights_only=False)
+    assert new['model_cfg']['d_model'] == 48 and new['step'] == 1
+    for k, v in src['model'].items():
+        assert torch.equal(v, new['model'][k]), k
+    assert all(s['step'].item() == 1 for s in new['optimizer']['state'].values())
+    res = train(['--max_steps=1', f'--init_from={tmp_path / "missing.pt"}'], tmp_path / 'c', data_dir, ok=False)
+    assert 'missing.pt not found' in res.stderr
+
+
+def test_two_process_resume_is_exact(data_dir, tmp_path):
+    common = ['--dtype=float32', '--dropout=0.3', '--save_interval=3']
+    train(common + ['--max_steps=6'], tmp_path / 'straight', data_dir, nproc=2)
+    train(common + ['--max_steps=3'], tmp_path / 'split', data_dir, nproc=2)
+    train(common + ['--max_steps=6', '--init_from=resume'], tmp_path / 'split', data_dir, nproc=2)
+    assert train_losses(tmp_path / 'split') == train_losses(tmp_path / 'straight')
+    a, b = final_params(tmp_path / 'straight', 6), final_params(tmp_path / 'split', 6)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_out_dir_that_cannot_be_written_is_a_one_line_error(data_dir, tmp_path):
+    (tmp_path / 'file').write_text('not a folder')
+    res = train(['--max_steps=1'], tmp_path / 'file' / 'run', data_dir, ok=False)
+    assert f"out_dir {tmp_path / 'file' / 'run'} cannot be created or written" in res.stderr
+
+
+def test_max_tokens_below_every_pair_says_how_far_to_raise_it(data_dir, tmp_path):
+    idx = [np.fromfile(os.path.join(data_dir, f'train.{lang}.idx'), dtype=np.int64) for lang in ('xx', 'yy')]
+    shortest = int((np.maximum(np.diff(idx[0]), np.diff(idx[1])) + 1).min())  # padded tokens incl. EOS
+    res = train(['--max_steps=1', f'--max_tokens={shortest - 1}'], tmp_path, data_dir, ok=False)
+    assert f'raise max_tokens to at least {shortest}' in res.stderr and 'lower' not in res.stderr
+
+
+def load_function(name, **scope):
+    """A function of train.py with the globals given, without running the script around it."""
+    tree = ast.parse(open(os.path.join(HERE, 'train.py')).read())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), 'train.py', 'exec'), scope)
+    return scope[name]
+
+
+def test_time_decisions_all_reduce_on_the_training_device():
+    # NCCL reduces GPU tensors only; 'meta' stands in here for a device that is not the CPU.
+    seen = []
+
+    class Dist:
+        ReduceOp = torch.distributed.ReduceOp
+
+        @staticmethod
+        def all_reduce(t, op=None):
+            seen.append(t.device.type)
+
+    agree = load_function('agree', ddp=True, device='meta', dist=Dist, torch=torch, pending=None)
+    assert agree(True, False) == [False, False]  # read one step late
+    assert seen == ['meta']
+
+
+def test_training_steps_between_log_lines_read_nothing_back_from_the_device(data_dir, tmp_path):
+    # Host syncs (.item(), bool() of a tensor) stop a GPU from running ahead: count them per run.
+    wrapper = (
+        "import runpy, sys, torch\n"
+        "n = [0]\n"
+        "def counted(f):\n"
+        "    def g(*a, **k):\n"
+        "        n[0] += 1\n"
+        "        return f(*a, **k)\n"
+        "    return g\n"
+        "torch.Tensor.item, torch.Tensor.__bool__ = counted(torch.Tensor.item), counted(torch.Tensor.__bool__)\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+        "print('host reads', n[0])\n")
+    reads = []
+    for steps in (4, 12):
+        res = train([f'--max_steps={steps}', f'--log_interval={steps}', '--save_interval=0'], tmp_path / str(steps),
+                    data_dir, launcher=[sys.executable, '-c', wrapper])
+        reads.append(int(res.stdout.split('host reads')[-1]))
+    assert reads[0] == reads[1]
 
 
 def test_resume_is_exact(data_dir, tmp_path):
@@ -89,12 +221,7 @@ def test_resume_is_exact(data_dir, tmp_path):
 
 
 def load_get_lr(**settings):
-    """get_lr from train.py, without running the script around it."""
-    tree = ast.parse(open(os.path.join(HERE, 'train.py')).read())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == 'get_lr')
-    scope = dict(settings, sys=sys)
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), 'train.py', 'exec'), scope)
-    return scope['get_lr']
+    return load_function('get_lr', sys=sys, **settings)
 
 
 def test_noam_schedule_matches_paper_formula():

@@ -8,13 +8,14 @@ $ python train.py config/multi30k.py --max_steps=2000 --dtype=float32
 """
 import ast
 import contextlib
-import glob
+import datetime
 import json
 import math
 import os
+import re
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import numpy as np
 import torch
@@ -29,14 +30,17 @@ import translate
 # I/O
 data_dir = 'data/multi30k_en_de'
 out_dir = 'out/multi30k_en_de'
-init_from = 'scratch'        # 'scratch' or 'resume' (newest checkpoint in out_dir)
+init_from = 'scratch'        # 'scratch', 'resume' (newest state_*.pt in out_dir), or a checkpoint's path to
+                             # fine-tune: its weights and architecture, a fresh optimizer and schedule, step 0
+overwrite = False            # a new run into an out_dir that holds one: True deletes its checkpoints and log
 log_interval = 100           # steps
 eval_interval = 1000         # validation loss every N steps (0 = only at the end)
 bleu_interval = 0            # validation BLEU every N steps (0: only at the end, -1: never); best kept as ckpt_best.pt
 bleu_beam = 4
-save_interval = 1000         # full-state checkpoint every N steps ...
+save_interval = 1000         # checkpoint every N steps ...
 save_minutes = 0.0           # ... and/or every N minutes (the paper: every 10 minutes)
-keep_last = 5                # newest checkpoints kept on disk
+keep_last = 5                # weights-only ckpt_STEP.pt snapshots kept, for averaging
+keep_state = 1               # full training states state_STEP.pt kept (weights + Adam moments), for resuming
 average_last = 5             # ckpt.pt = average of the newest N (section 6.1: 5 for base, 20 for big)
 # model (Table 3, base)
 n_enc_layers = 6
@@ -70,6 +74,7 @@ dtype = 'auto'               # 'auto' (bfloat16 where native, see model.fast_dty
 compile = False
 seed = 1337
 max_bad_steps = 20           # consecutive non-finite updates before giving up
+ddp_timeout_minutes = 60.0   # how long a rank waits in a collective (NCCL's default, 10, is short for a slow save)
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 
 
@@ -119,7 +124,9 @@ if ddp:
     if device.startswith('cuda'):
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
         torch.cuda.set_device(device)
-    dist.init_process_group('nccl' if device.startswith('cuda') else 'gloo')
+    # Validation is split across ranks, but a checkpoint save or a slow rank can still outlast NCCL's default.
+    dist.init_process_group('nccl' if device.startswith('cuda') else 'gloo',
+                            timeout=datetime.timedelta(minutes=ddp_timeout_minutes))
 else:
     rank, world = 0, 1
 master = rank == 0
@@ -134,14 +141,34 @@ elif dtype == 'bfloat16' and M.fast_dtype(device_type) != 'bfloat16' and master:
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 if device_type == 'cpu' and dtype == 'bfloat16':
-    # At sentence lengths the CPU flash-attention kernel is slower than the plain one in bf16: a step
-    # of the Multi30k model (4096 tokens, 2 cores) took 1.01 s with it and 0.80 s without. In float32
-    # they are within 5% (1.03 vs 1.08 s at 2048 tokens). The switch is named 'cuda' but governs the CPU too.
+    # At sentence lengths the CPU flash-attention kernel is slower than the plain one in bf16 (README,
+    # Performance). The switch is named 'cuda' but governs the CPU too.
     torch.backends.cuda.enable_flash_sdp(False)
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 autocast = (contextlib.nullcontext() if dtype == 'float32'
             else torch.autocast(device_type=device_type, dtype=ptdtype))
 log = print if master else (lambda *a, **k: None)
+
+# -----------------------------------------------------------------------------------------------
+# out_dir: writable, and either a new run's or the one being resumed, before any work is done
+try:
+    os.makedirs(out_dir, exist_ok=True)
+    probe = os.path.join(out_dir, f'.write_test_{rank}')
+    open(probe, 'w').close()
+    os.remove(probe)
+except OSError as e:
+    sys.exit(f"out_dir {out_dir} cannot be created or written: {e.strerror}")
+run_files = sorted(f for f in os.listdir(out_dir) if f == 'log.jsonl' or re.fullmatch(r'(ckpt|state)(_\w+)?\.pt', f))
+if init_from != 'resume' and run_files:
+    if not overwrite:
+        sys.exit(f"out_dir {out_dir} already holds a run ({', '.join(run_files[:4])}{', ...' if len(run_files) > 4 else ''}):"
+                 f" continue it with --init_from=resume, train into another --out_dir, or start over with "
+                 f"--overwrite=True (deletes them)")
+    if master:
+        for f in run_files:
+            os.remove(os.path.join(out_dir, f))
+    if ddp:
+        dist.barrier()
 
 # -----------------------------------------------------------------------------------------------
 # data: the token files data_prep.py writes
@@ -159,24 +186,25 @@ def load_split(split):
     return read(src_lang) + read(tgt_lang)
 
 
+def pair_sizes(data):
+    _, src_idx, _, tgt_idx = data
+    return np.maximum(np.diff(src_idx), np.diff(tgt_idx)) + 1  # + EOS (or BOS): padded tokens per side
+
+
 def batch_plan(data, epoch, shuffle=True):
     """Token-based batches as fairseq builds them: sentences shuffled, then stably sorted by length
     (so batches hold similar lengths and little padding), filled up to max_tokens padded tokens,
     and the batches shuffled. The same seed and epoch give the same plan on every rank."""
-    _, src_idx, _, tgt_idx = data
-    size = np.maximum(np.diff(src_idx), np.diff(tgt_idx)) + 1  # + EOS (or BOS)
+    size = pair_sizes(data)
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(size)) if shuffle else np.arange(len(size))
     order = order[np.argsort(size[order], kind='stable')]
+    order = order[size[order] <= max_tokens]  # longer pairs fit no batch (counted and reported at start)
     batches, start, sizes = [], 0, size[order].tolist()
     for end in range(1, len(order) + 1):
         if end == len(order) or (end + 1 - start) * sizes[end] > max_tokens:
             batches.append(order[start:end])
             start = end
-    too_long = [b for b in batches if len(b) == 1 and size[b[0]] > max_tokens]
-    if too_long:
-        log(f"warning: {len(too_long)} sentence pairs longer than max_tokens={max_tokens} are skipped")
-        batches = [b for b in batches if not (len(b) == 1 and size[b[0]] > max_tokens)]
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
@@ -198,43 +226,63 @@ def get_batch(data, ids):
 
 train_data, valid_data = load_split('train'), load_split('valid')
 train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss counts
+sizes = pair_sizes(train_data)
+if sizes.min() > max_tokens:
+    sys.exit(f"max_tokens={max_tokens} is smaller than every training pair in {data_dir}: the shortest needs "
+             f"{sizes.min()} padded tokens (its longer side + EOS); raise max_tokens to at least {sizes.min()}")
+if sizes.max() > max_tokens:
+    log(f"warning: {(sizes > max_tokens).sum()} training pairs need more than max_tokens={max_tokens} padded "
+        f"tokens and are skipped; max_tokens={sizes.max()} would keep them all")
 tokenizer = data_prep.tokenizer_dict(data_dir)
 enc = data_prep.load_tokenizer(tokenizer)
 valid_src = open(os.path.join(data_dir, f'valid.{src_lang}.txt'), encoding='utf-8').read().splitlines()
 valid_ref = open(os.path.join(data_dir, f'valid.{tgt_lang}.txt'), encoding='utf-8').read().splitlines()
 
 # -----------------------------------------------------------------------------------------------
-# model, optimiser, and the state to resume from
-ckpts = sorted(glob.glob(os.path.join(out_dir, 'ckpt_[0-9]*.pt')))
-if init_from == 'resume' and not ckpts:
-    sys.exit(f"init_from='resume' but {out_dir} has no ckpt_*.pt")
-state = torch.load(ckpts[-1], map_location='cpu', weights_only=False) if init_from == 'resume' else None
+# model, optimiser, and the state to resume or fine-tune from
+state = None
+if init_from == 'resume':
+    states = translate.checkpoints(out_dir, 'state')
+    if not states:
+        sys.exit(f"init_from='resume' but {out_dir} has no state_*.pt")
+    init_path, state = states[-1], torch.load(states[-1], map_location='cpu', weights_only=False)
+elif init_from != 'scratch':
+    init_path, state = init_from, translate.read_checkpoint(init_from)
+if state is not None and state['tokenizer'] != tokenizer:
+    # Same size is not enough: two BPEs of 8000 merges map the same ids to different words.
+    sys.exit(f"{init_path} was trained with another tokenizer than {data_dir}/tokenizer.json: its token ids "
+             f"would mean other words; train on data prepared with its tokenizer "
+             f"(it came from {state.get('data_dir', 'an unknown data_dir')})")
 if state is not None:
-    log(f"resuming from {ckpts[-1]} (step {state['step']})")
+    log(f"{'resuming' if init_from == 'resume' else 'fine-tuning'} from {init_path} (step {state.get('step', '?')})")
+    # The architecture is the checkpoint's; dropout is a training setting, so a fine-tune may change it.
     model_cfg = M.Config(**state['model_cfg'])
+    if init_from != 'resume':
+        model_cfg.dropout, model_cfg.attn_dropout = dropout, attn_dropout
 else:
     # Round the vocabulary up to a multiple of 8 so the output matmul maps onto tensor cores.
-    model_cfg = M.Config(vocab_size=(meta['vocab_size'] + 7) // 8 * 8, n_enc_layers=n_enc_layers,
-                         n_dec_layers=n_dec_layers, d_model=d_model, d_ff=d_ff, n_heads=n_heads, dropout=dropout,
-                         attn_dropout=attn_dropout, pre_norm=pre_norm, max_len=max_len,
-                         pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    model_cfg = M.Config(**{f.name: config[f.name] for f in fields(M.Config) if f.name in config},
+                         vocab_size=(meta['vocab_size'] + 7) // 8 * 8, pad_id=PAD, bos_id=BOS, eos_id=EOS)
 raw_model = M.Transformer(model_cfg).to(device)
+# Fused Adam (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync.
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,
-                             weight_decay=weight_decay, fused=device_type == 'cuda')
+                             weight_decay=weight_decay, fused=True)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 step, epoch, batch_idx, best_bleu = 0, 0, 0, -1.0
 if state is not None:
     raw_model.load_state_dict(state['model'])
+if init_from == 'resume':
     optimizer.load_state_dict(state['optimizer'])
     scaler.load_state_dict(state['scaler'])
     step, epoch, batch_idx, best_bleu = state['step'], state['epoch'], state['batch_idx'], state['best_bleu']
-    if master:  # other ranks only draw dropout masks, which need not match an earlier run
-        torch.set_rng_state(state['rng']['cpu'])
-        if device_type == 'cuda' and state['rng']['cuda'] is not None:
-            torch.cuda.set_rng_state(state['rng']['cuda'])
+    if len(state['rng']) == world:  # every rank's own generator: dropout masks continue as if never stopped
+        torch.set_rng_state(state['rng'][rank]['cpu'])
+        if device_type == 'cuda' and state['rng'][rank]['cuda'] is not None:
+            torch.cuda.set_rng_state(state['rng'][rank]['cuda'])
     else:
+        log(f"warning: saved with {len(state['rng'])} process(es), resumed with {world}: dropout masks are reseeded")
         torch.manual_seed(seed + rank + 1000003 * step)
-    del state
+del state
 model = torch.compile(raw_model) if compile else raw_model
 if ddp:
     model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None)
@@ -248,39 +296,83 @@ def get_lr(step):
     sys.exit(f"schedule must be 'noam' or 'inverse_sqrt', got {schedule!r}")
 
 
+pending = None
+
+
+def agree(*flags):
+    """Time-based decisions (stop, save) taken the same on every rank, whose clocks differ: the flags'
+    maximum over ranks. Under DDP it is read one step late, so that the host never waits for the GPU:
+    the all-reduce runs on the training device (NCCL reduces GPU tensors only) behind the step's work."""
+    global pending
+    if not ddp:
+        return [bool(f) for f in flags]
+    now = torch.zeros(len(flags), device=device)
+    for i, f in enumerate(flags):
+        now[i] = float(f)
+    dist.all_reduce(now, op=dist.ReduceOp.MAX)
+    previous, pending = pending, now
+    return [False] * len(flags) if previous is None else [bool(f) for f in previous.tolist()]
+
+
+def gather(obj):  # every rank's obj, in rank order
+    if not ddp:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
 @torch.no_grad()
 def validation_loss():
     raw_model.eval()
-    total = nll = ntok = 0.0
-    for ids in batch_plan(valid_data, 0, shuffle=False):
+    sums = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens: summed over this rank's share of batches
+    for ids in batch_plan(valid_data, 0, shuffle=False)[rank::world]:
         src, tgt_in, tgt_out = get_batch(valid_data, ids)
         with autocast:
-            loss, n_ll, n = M.label_smoothed_loss(raw_model(src, tgt_in), tgt_out, label_smoothing, PAD)
-        total, nll, ntok = total + loss.item(), nll + n_ll.item(), ntok + n.item()
+            sums += torch.stack([x.float() for x in M.label_smoothed_loss(raw_model(src, tgt_in), tgt_out,
+                                                                            label_smoothing, PAD)])
+    if ddp:
+        dist.all_reduce(sums)
     raw_model.train()
+    total, nll, ntok = sums.tolist()
     return total / ntok, math.exp(nll / ntok)
 
 
 def validation_bleu():
     raw_model.eval()
-    with autocast:
-        hyps = list(translate.translate_lines(raw_model, enc, valid_src, beam=bleu_beam))
+    with autocast:  # each rank translates every world-th sentence
+        hyps = list(translate.translate_lines(raw_model, enc, valid_src[rank::world], beam=bleu_beam))
     raw_model.train()
-    return translate.bleu(hyps, valid_ref).score
+    shares = gather(hyps)
+    return translate.bleu([shares[i % world][i // world] for i in range(len(valid_src))], valid_ref).score
 
 
-def save(path, full=True):
+def save(path, full=False):
+    """Weights only (what averaging and translate.py read), or with full=True the whole training state,
+    every rank's random generators included; with full=True every rank must call it (it gathers)."""
     ckpt = {'model': raw_model.state_dict(), 'model_cfg': asdict(model_cfg), 'tokenizer': tokenizer,
             'step': step, 'config': config, 'data_dir': data_dir}
     if full:
+        rng = gather({'cpu': torch.get_rng_state(),
+                      'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch,
-                    batch_idx=batch_idx, best_bleu=best_bleu,
-                    rng={'cpu': torch.get_rng_state(),
-                         'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
-    translate.save_atomic(ckpt, path)
+                    batch_idx=batch_idx, best_bleu=best_bleu, rng=rng)
+    if master:
+        translate.save_atomic(ckpt, path)
 
 
-def evaluate(final=False):
+def checkpoint():
+    save(os.path.join(out_dir, f'state_{step:07d}.pt'), full=True)
+    save(os.path.join(out_dir, f'ckpt_{step:07d}.pt'))
+    if master:
+        for prefix, keep in (('state', keep_state), ('ckpt', keep_last)):
+            for old in translate.checkpoints(out_dir, prefix)[:-keep]:
+                os.remove(old)
+    if ddp:
+        dist.barrier()  # the other ranks read these files at the end (averaging)
+
+
+def evaluate(final=False):  # every rank takes part: each validates its share
     global best_bleu
     record = {'step': step}
     record['valid_loss'], record['valid_ppl'] = validation_loss()
@@ -288,16 +380,16 @@ def evaluate(final=False):
         record['valid_bleu'] = validation_bleu()
         if record['valid_bleu'] > best_bleu:
             best_bleu = record['valid_bleu']
-            save(os.path.join(out_dir, 'ckpt_best.pt'), full=False)
+            save(os.path.join(out_dir, 'ckpt_best.pt'))
     log(' | '.join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
-    logfile.write(json.dumps(record) + '\n')
-    logfile.flush()
+    if master:
+        logfile.write(json.dumps(record) + '\n')
+        logfile.flush()
 
 
 # -----------------------------------------------------------------------------------------------
 # training loop
 if master:
-    os.makedirs(out_dir, exist_ok=True)
     logfile = open(os.path.join(out_dir, 'log.jsonl'), 'a')
     print(json.dumps(config, indent=1))
     print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es) x update_freq "
@@ -305,14 +397,18 @@ if master:
 plan = batch_plan(train_data, epoch)
 per_update = world * update_freq
 t_start = t_last = last_save = time.time()
-tokens_since, bad_steps = 0, 0
+tokens_since = 0
+# Kept on the device and read only at log steps: a .item() per step would stall the GPU queue.
+loss_acc, nll_acc = torch.zeros((), device=device), torch.zeros((), device=device)
+streak, worst_streak, skipped = (torch.zeros((), device=device) for _ in range(3))
 raw_model.train()
 while step < max_steps:
     if (batch_idx + 1) * per_update > len(plan):  # the epoch's last few batches do not fill an update
         epoch, batch_idx = epoch + 1, 0
         plan = batch_plan(train_data, epoch)
         if per_update > len(plan):
-            sys.exit(f"the training set has fewer than {per_update} batches: lower max_tokens")
+            sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, fewer than the "
+                     f"{per_update} an update needs ({world} process(es) x update_freq {update_freq}): lower max_tokens")
     update = plan[batch_idx * per_update:(batch_idx + 1) * per_update]
     # Every rank holds the same plan, so each knows the update's global target-token count without a
     # collective; normalising by it makes N ranks and update_freq N give the same update.
@@ -321,7 +417,6 @@ while step < max_steps:
     lr_now = get_lr(step)
     for group in optimizer.param_groups:
         group['lr'] = lr_now
-    loss_sum = nll_sum = 0.0
     try:
         for micro in range(update_freq):
             src, tgt_in, tgt_out = get_batch(train_data, update[micro * world + rank])
@@ -331,65 +426,66 @@ while step < max_steps:
                 loss, nll, _ = M.label_smoothed_loss(model(src, tgt_in), tgt_out, label_smoothing, PAD)
             # DDP averages gradients over ranks; scaling by world turns that average into the sum.
             scaler.scale(loss * world / ntok_update).backward()
-            loss_sum, nll_sum = loss_sum + loss.item(), nll_sum + nll.item()
+            loss_acc += loss.detach()
+            nll_acc += nll
     except torch.cuda.OutOfMemoryError:
         sys.exit(f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise update_freq "
                  f"to keep the same tokens per update")
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip_grad if clip_grad > 0 else float('inf'))
-    if torch.isfinite(grad_norm):  # the gradients are all-reduced, so every rank agrees
-        scaler.step(optimizer)
-        bad_steps = 0
-    else:  # skipped; with float16 the scaler also lowers its scale, which is how fp16 recovers
-        bad_steps += 1
-        log(f"warning: step {step}: non-finite gradient norm, update skipped ({bad_steps} in a row)")
-        if bad_steps >= max_bad_steps:
-            sys.exit(f"{bad_steps} non-finite updates in a row: lower the learning rate, use dtype='bfloat16' "
-                     f"or 'float32', or set clip_grad")
+    # A non-finite norm (the gradients are all-reduced, so every rank agrees) skips the update, as the
+    # fp16 grad scaler does: with float16 the scaler sets found_inf itself and also lowers its scale.
+    bad = ~torch.isfinite(grad_norm)
+    optimizer.found_inf = bad.float()
+    scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    streak = (streak + 1) * bad
+    worst_streak, skipped = torch.maximum(worst_streak, streak), skipped + bad
     tokens_since += ntok_update
     elapsed = time.time() - t_start
-    if max_minutes > 0:  # every rank must stop at the same step
-        stop = torch.tensor(float(elapsed > max_minutes * 60))
-        if ddp:
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if stop.item():
-            log(f"max_minutes={max_minutes} reached at step {step}")
-            max_steps = step
-    if master and (step % log_interval == 0 or step == max_steps):
-        dt, t_last = time.time() - t_last, time.time()
-        loss_tok, ppl = loss_sum * world / ntok_update, math.exp(min(nll_sum * world / ntok_update, 50))
-        eta = (max_steps - step) * elapsed / step
-        if max_minutes > 0:
-            eta = min(eta, max_minutes * 60 - elapsed)
-        record = dict(step=step, epoch=epoch, loss=loss_tok, ppl=ppl, lr=lr_now, grad_norm=grad_norm.item(),
-                      tok_per_s=tokens_since / dt, elapsed_min=elapsed / 60, eta_min=max(eta, 0) / 60)
-        print(f"step {step} | epoch {epoch} | loss {loss_tok:.3f} | ppl {ppl:.2f} | lr {lr_now:.2e} | "
-              f"gnorm {grad_norm.item():.2f} | {tokens_since / dt:,.0f} tgt tok/s | "
-              f"{elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min", flush=True)
-        logfile.write(json.dumps(record) + '\n')
-        logfile.flush()
+    out_of_time, save_due = agree(max_minutes > 0 and elapsed > max_minutes * 60,
+                                  save_minutes > 0 and time.time() - last_save > save_minutes * 60)
+    if out_of_time:
+        log(f"max_minutes={max_minutes} reached at step {step}")
+        max_steps = step
+    if step % log_interval == 0 or step == max_steps:  # every rank reads the bad-step counters
+        if worst_streak.item() >= max_bad_steps:
+            sys.exit(f"{int(worst_streak.item())} non-finite updates in a row: lower the learning rate, use "
+                     f"dtype='bfloat16' or 'float32', or set clip_grad")
+        if skipped.item():
+            log(f"warning: {int(skipped.item())} update(s) with a non-finite gradient norm skipped since the last log line")
+        if master:
+            dt, t_last = time.time() - t_last, time.time()
+            loss_tok = loss_acc.item() * world / tokens_since
+            ppl = math.exp(min(nll_acc.item() * world / tokens_since, 50))
+            eta = (max_steps - step) * elapsed / step
+            if max_minutes > 0:
+                eta = min(eta, max_minutes * 60 - elapsed)
+            record = dict(step=step, epoch=epoch, loss=loss_tok, ppl=ppl, lr=lr_now, grad_norm=grad_norm.item(),
+                          tok_per_s=tokens_since / dt, elapsed_min=elapsed / 60, eta_min=max(eta, 0) / 60)
+            print(f"step {step} | epoch {epoch} | loss {loss_tok:.3f} | ppl {ppl:.2f} | lr {lr_now:.2e} | "
+                  f"gnorm {grad_norm.item():.2f} | {tokens_since / dt:,.0f} tgt tok/s | "
+                  f"{elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min", flush=True)
+            logfile.write(json.dumps(record) + '\n')
+            logfile.flush()
         tokens_since = 0
-    if master and eval_interval and step % eval_interval == 0 and step != max_steps:
+        loss_acc.zero_(), nll_acc.zero_(), worst_streak.zero_(), skipped.zero_()
+    if eval_interval and step % eval_interval == 0 and step != max_steps:
         evaluate()
-    if master and ((save_interval and step % save_interval == 0) or
-                   (save_minutes and time.time() - last_save > save_minutes * 60) or step == max_steps):
-        save(os.path.join(out_dir, f'ckpt_{step:07d}.pt'))
+    if (save_interval and step % save_interval == 0) or save_due or step == max_steps:
+        checkpoint()
         last_save = time.time()
-        for old in sorted(glob.glob(os.path.join(out_dir, 'ckpt_[0-9]*.pt')))[:-keep_last]:
-            os.remove(old)
-    if master and step % log_interval == 0:
+    if step % log_interval == 0:
         t_last = time.time()  # evaluation and saving do not count against tokens/s
 
-if master:
-    # Section 6.1: the reported models average the last checkpoints, written at regular intervals.
-    newest = sorted(glob.glob(os.path.join(out_dir, 'ckpt_[0-9]*.pt')))[-average_last:]
-    raw_model.load_state_dict(translate.average_checkpoints(newest))
-    save(os.path.join(out_dir, 'ckpt.pt'), full=False)
-    log(f"averaged {len(newest)} checkpoint(s) into {os.path.join(out_dir, 'ckpt.pt')}")
-    evaluate(final=True)
-    bleu_note = f', best valid BLEU {best_bleu:.2f}' if best_bleu >= 0 else ''  # -1: BLEU never computed
-    log(f"done: step {step}, {(time.time() - t_start) / 60:.1f} min{bleu_note}")
+# Section 6.1: the reported models average the last checkpoints, written at regular intervals.
+newest = translate.checkpoints(out_dir)[-average_last:]
+raw_model.load_state_dict(translate.average_checkpoints(newest))
+save(os.path.join(out_dir, 'ckpt.pt'))
+log(f"averaged {len(newest)} checkpoint(s) into {os.path.join(out_dir, 'ckpt.pt')}")
+evaluate(final=True)
+bleu_note = f', best valid BLEU {best_bleu:.2f}' if best_bleu >= 0 else ''  # -1: BLEU never computed
+log(f"done: step {step}, {(time.time() - t_start) / 60:.1f} min{bleu_note}")
 if ddp:
     dist.destroy_process_group()

@@ -24,12 +24,12 @@ import data_prep
 import model as M
 
 
-def fail(msg):
-    raise SystemExit(f"translate.py: error: {msg}")
+def fail(msg):  # named after the running script: train.py reads checkpoints through here too
+    raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {msg}")
 
 
 def warn(msg):
-    print(f"translate.py: warning: {msg}", file=sys.stderr)
+    print(f"{os.path.basename(sys.argv[0])}: warning: {msg}", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -117,16 +117,22 @@ def average_checkpoints(paths):
     return {k: (v / len(paths)).to(dtypes[k]) if v.is_floating_point() else v for k, v in total.items()}
 
 
+def checkpoints(folder, prefix='ckpt'):
+    """{prefix}_{step}.pt in folder, oldest first by step number (not by name): train.py writes ckpt_STEP.pt
+    weight snapshots and state_STEP.pt full training states; ckpt.pt and ckpt_best.pt are not among them."""
+    found = sorted((int(m.group(1)), p) for p in glob.glob(os.path.join(glob.escape(folder), f'{prefix}_*.pt'))
+                   if (m := re.fullmatch(rf'{prefix}_(\d+)\.pt', os.path.basename(p))))
+    return [p for _, p in found]
+
+
 def newest_checkpoints(path, n):
-    # ckpt_{step}.pt only (not ckpt_best.pt or ckpt.pt), ordered by step number rather than by name.
     folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
-    found = sorted((int(m.group(1)), p) for p in glob.glob(os.path.join(folder, 'ckpt_*.pt'))
-                   if (m := re.fullmatch(r'ckpt_(\d+)\.pt', os.path.basename(p))))
+    found = checkpoints(folder)
     if not found:
         fail(f"no ckpt_STEP.pt checkpoints in {folder} to average")
     if len(found) < n:
         warn(f"--average-last {n}: only {len(found)} checkpoint(s) in {folder}")
-    return [p for _, p in found[-n:]]
+    return found[-n:]
 
 
 # -----------------------------------------------------------------------------------------------

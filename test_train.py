@@ -2,6 +2,7 @@ import ast
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -156,6 +157,13 @@ def test_out_dir_that_cannot_be_written_is_a_one_line_error(data_dir, tmp_path):
     assert f"out_dir {tmp_path / 'file' / 'run'} cannot be created or written" in res.stderr
 
 
+def test_incomplete_data_dir_is_a_one_line_error(data_dir, tmp_path):
+    shutil.copytree(data_dir, tmp_path / 'data')
+    os.remove(tmp_path / 'data' / 'train.xx.bin')
+    res = train(['--max_steps=1'], tmp_path / 'run', tmp_path / 'data', ok=False)
+    assert 'is incomplete or damaged (train.xx' in res.stderr
+
+
 def test_max_tokens_below_every_pair_says_how_far_to_raise_it(data_dir, tmp_path):
     idx = [np.fromfile(os.path.join(data_dir, f'train.{lang}.idx'), dtype=np.int64) for lang in ('xx', 'yy')]
     shortest = int((np.maximum(np.diff(idx[0]), np.diff(idx[1])) + 1).min())  # padded tokens incl. EOS
@@ -248,6 +256,10 @@ def test_inverse_sqrt_schedule():
     (['--max_steps'], 'expected --key=value'),
     (['config/none.py'], 'config file config/none.py not found'),
     (['--data_dir=does/not/exist'], 'python data_prep.py'),
+    (['--update_freq=0'], 'update_freq must be at least 1'),
+    (['--warmup=0'], 'warmup must be at least 1'),
+    (['--d_model=30', '--n_heads=4'], 'd_model=30 must be a multiple of n_heads=4'),
+    (['--dtype=float64'], "dtype must be 'auto'"),
 ])
 def test_bad_settings_give_clear_errors(args, message):
     res = subprocess.run([sys.executable, 'train.py'] + args, cwd=HERE, capture_output=True, text=True)

@@ -113,6 +113,16 @@ def override(config, args):
 
 config = override({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(config)
+for key in ('max_tokens', 'update_freq', 'max_steps', 'warmup', 'log_interval', 'keep_last', 'keep_state',
+            'average_last', 'bleu_beam', 'n_enc_layers', 'n_dec_layers', 'd_model', 'd_ff', 'n_heads', 'max_len'):
+    if config[key] < 1:
+        sys.exit(f"{key} must be at least 1, got {config[key]}")
+if d_model % n_heads:
+    sys.exit(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
+if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
+    sys.exit(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+if device.startswith('cuda') and not torch.cuda.is_available():
+    sys.exit(f"device={device!r} but torch sees no GPU (device='auto' picks one when there is)")
 
 # -----------------------------------------------------------------------------------------------
 # processes, device and precision
@@ -181,8 +191,11 @@ src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], me
 
 def load_split(split):
     def read(lang):
-        tokens = np.memmap(os.path.join(data_dir, f'{split}.{lang}.bin'), dtype=meta['dtype'], mode='r')
-        return tokens, np.fromfile(os.path.join(data_dir, f'{split}.{lang}.idx'), dtype=np.int64)
+        try:
+            tokens = np.memmap(os.path.join(data_dir, f'{split}.{lang}.bin'), dtype=meta['dtype'], mode='r')
+            return tokens, np.fromfile(os.path.join(data_dir, f'{split}.{lang}.idx'), dtype=np.int64)
+        except (OSError, ValueError) as e:
+            sys.exit(f"{data_dir} is incomplete or damaged ({split}.{lang}: {e}): prepare it again with data_prep.py")
     return read(src_lang) + read(tgt_lang)
 
 

@@ -68,6 +68,9 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d, 3 * d)
         self.out_proj = nn.Linear(d, d)
+        # SDPA never materialises the attention weights; set True (plot.py does) to compute them
+        # explicitly and keep the last call's in self.weights, (B, h, queries, keys).
+        self.keep_weights = False
 
     def heads(self, x):  # (B, T, h*d_k) -> (B, h, T, d_k)
         B, T, C = x.shape
@@ -91,8 +94,17 @@ class MultiHeadAttention(nn.Module):
                 # A single new query may see every cached key; SDPA's is_causal would align the
                 # mask top-left and hide them, so causality comes from the cache itself.
                 causal = causal and q.size(2) > 1
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.attn_dropout if self.training else 0.0)
+        if self.keep_weights:  # softmax(QK^T / sqrt(d_k)) V written out, masked as SDPA masks
+            s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+            if causal:  # top-left aligned, as SDPA's is_causal (which never comes with a mask)
+                mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+            if mask is not None:
+                s = s.masked_fill(~mask, -math.inf)
+            self.weights = s.softmax(-1)
+            y = F.dropout(self.weights, self.attn_dropout, self.training) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                               dropout_p=self.attn_dropout if self.training else 0.0)
         B, h, T, dk = y.shape
         return self.out_proj(y.transpose(1, 2).reshape(B, T, h * dk))
 

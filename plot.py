@@ -1,0 +1,263 @@
+"""
+Pictures of a model's own runs: learning curves from train.py's log.jsonl, and attention heatmaps from a
+checkpoint's forward pass (the paper's appendix figures).
+
+    python plot.py curves out/multi30k_en_de -o curves.png                  # one run
+    python plot.py curves out/pilot_a out/pilot_b -o curves.png --x minutes  # runs overlaid
+    python plot.py attention --ckpt out/multi30k_en_de/ckpt.pt --src "A man is riding a bike." -o attn.png
+    python plot.py attention --ckpt out/multi30k_en_de/ckpt.pt --src "..." --tgt "..." --layers 0 -1 --heads 0 1
+
+A figure goes to the -o file; on a machine with a display it is also shown on screen (--no-show: not).
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+import model as M
+import translate
+
+
+def fail(msg):
+    raise SystemExit(f"plot.py: error: {msg}")
+
+
+def pyplot(show):
+    # The backend must be chosen before pyplot is imported: without a display, Agg draws to files only.
+    try:
+        import matplotlib
+    except ImportError:
+        fail("plot.py needs matplotlib: pip install 'matplotlib>=3.7'")
+    if not show:
+        matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def has_display():
+    return sys.platform in ('darwin', 'win32') or bool(os.environ.get('DISPLAY') or os.environ.get('WAYLAND_DISPLAY'))
+
+
+def save(fig, plt, path, show):
+    # Written under a temporary name, then renamed: a reader never sees half a PNG under the real name.
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    tmp = f"{path}.tmp"
+    fig.savefig(tmp, format=os.path.splitext(path)[1][1:] or 'png', dpi=110, bbox_inches='tight')
+    os.replace(tmp, path)
+    print(f"plot.py: wrote {path}")
+    if show:
+        plt.show()
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------------------------
+# learning curves
+
+def read_log(path):
+    """A run folder or its log.jsonl -> (training records, evaluation records), each record with a
+    'minutes' of training time: evaluation lines carry none, so theirs is interpolated by step, and after
+    a resume the clock goes on from the last step kept."""
+    if os.path.isdir(path):
+        path = os.path.join(path, 'log.jsonl')
+    if not os.path.isfile(path):
+        fail(f"{path} not found")
+    records, bad = [], 0
+    with open(path, encoding='utf-8', errors='replace') as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                bad += line.strip() != ''  # e.g. a last line cut short by a crash
+                continue
+            if isinstance(r, dict) and isinstance(r.get('step'), int):
+                records.append(r)
+    if bad:
+        print(f"plot.py: warning: {path}: skipped {bad} line(s) that are not JSON", file=sys.stderr)
+    train, evals, offset, last = [], [], 0.0, 0.0
+    for r in records:
+        if 'loss' in r:
+            if train and r['step'] <= train[-1]['step']:
+                # A resumed run appends to the log: what it redoes replaces what the first run logged.
+                train = [t for t in train if t['step'] < r['step']]
+                evals = [e for e in evals if e['step'] < r['step']]
+            minutes = r.get('elapsed_min', last)
+            if minutes < last:  # a resumed process starts its clock at zero: go on from where its model was
+                offset = train[-1]['minutes'] if train else 0.0
+            last = minutes
+            train.append({**r, 'minutes': offset + minutes})
+        elif 'valid_loss' in r:
+            evals.append(dict(r))
+    if not train and not evals:
+        fail(f"{path} holds no training or validation records")
+    steps, minutes = [t['step'] for t in train], [t['minutes'] for t in train]
+    for e in evals:
+        e['minutes'] = float(np.interp(e['step'], steps, minutes)) if train else float('nan')
+    return train, evals
+
+
+PANELS = [  # (title, 0: training or 1: evaluation records, key)
+    ('training loss (label-smoothed)', 0, 'loss'), ('validation loss (label-smoothed)', 1, 'valid_loss'),
+    ('validation BLEU', 1, 'valid_bleu'), ('learning rate', 0, 'lr'), ('target tokens/s', 0, 'tok_per_s')]
+
+
+def plot_curves(runs, out, x='step', labels=None, show=False):
+    logs = [read_log(r) for r in runs]
+    plt = pyplot(show)
+    labels = labels or [os.path.basename(os.path.normpath(r if os.path.isdir(r) else os.path.dirname(r) or '.'))
+                        for r in runs]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    axes = axes.ravel()
+    for ax, (title, which, key) in zip(axes, PANELS):
+        for i, (log, label) in enumerate(zip(logs, labels)):
+            pts = [(r[x], r[key]) for r in log[which] if key in r]
+            if pts:  # evaluations are few: markers show where they were taken
+                ax.plot(*zip(*pts), color=f'C{i}', label=label, marker='o' if which else None, markersize=3)
+        if not ax.lines:
+            ax.text(0.5, 0.5, 'not in the log', ha='center', va='center', transform=ax.transAxes, color='gray')
+        ax.set_title(title)
+        ax.set_xlabel('minutes' if x == 'minutes' else 'step')
+        ax.grid(alpha=0.3)
+    axes[3].ticklabel_format(axis='y', style='sci', scilimits=(-3, 3))
+    # The sixth cell holds the legend: one entry per run, shared by all panels.
+    axes[5].axis('off')
+    handles = {line.get_label(): line for ax in axes[:5] for line in ax.lines}
+    axes[5].legend(handles.values(), handles.keys(), loc='center', title='run')
+    fig.tight_layout()
+    save(fig, plt, out, show)
+
+
+# -----------------------------------------------------------------------------------------------
+# attention maps
+
+KINDS = ('encoder', 'decoder', 'cross')  # encoder and decoder self-attention, encoder-decoder attention
+
+
+def attention_weights(model, src, tgt_in):
+    """The weights of one teacher-forced forward pass: {kind: [per layer (B, h, queries, keys)]}."""
+    mods = dict(zip(KINDS, ([layer.self_attn for layer in model.encoder], [layer.self_attn for layer in model.decoder],
+                            [layer.cross_attn for layer in model.decoder])))
+    everything = [m for ms in mods.values() for m in ms]
+    try:
+        for m in everything:
+            m.keep_weights = True
+        with torch.no_grad():
+            model(src, tgt_in)
+        return {kind: [m.weights for m in ms] for kind, ms in mods.items()}
+    finally:
+        for m in everything:
+            m.keep_weights = False
+            vars(m).pop('weights', None)  # no stale tensors left on the model
+
+
+def token_labels(enc, tokens):
+    # Byte-level BPE pieces as text, '▁' for a leading space so that word starts show. Ids past the
+    # tokenizer's (a vocabulary padded for speed) have no text, but an untrained model may emit them.
+    names = {enc.encode_single_token(s): s for s in enc.special_tokens_set}
+    return [names.get(t) or (enc.decode_single_token_bytes(t).decode('utf-8', 'replace').replace(' ', '▁')
+                             if t < enc.n_vocab else f'#{t}') for t in tokens]
+
+
+def heatmap(ax, w, rows, cols, title, colorbar=False):
+    im = ax.imshow(w, cmap='viridis', vmin=0.0, aspect='equal')
+    ax.set_xticks(range(len(cols)), cols, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.set_title(title, fontsize=8)
+    if colorbar:  # on an axis of the image's own height, whatever the figure's shape
+        from mpl_toolkits.axes_grid1 import make_axes_locatable
+        ax.figure.colorbar(im, cax=make_axes_locatable(ax).append_axes('right', size=0.15, pad=0.1))
+
+
+def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None, kinds=KINDS, beam=4, show=False):
+    model, enc, _ = translate.load_checkpoint(ckpt, 'cpu')
+    cfg = model.cfg
+    n_layers = {'encoder': cfg.n_enc_layers, 'decoder': cfg.n_dec_layers, 'cross': cfg.n_dec_layers}
+    heads = list(range(cfg.n_heads)) if heads is None else heads
+    for h in heads:
+        if not -cfg.n_heads <= h < cfg.n_heads:
+            fail(f"--heads {h}: {ckpt} has {cfg.n_heads} heads")
+    for L in layers:
+        if not all(-n_layers[k] <= L < n_layers[k] for k in kinds):
+            fail(f"--layers {L}: {ckpt} has {cfg.n_enc_layers} encoder and {cfg.n_dec_layers} decoder layers")
+    if not src_text.strip():
+        fail("--src is empty")
+    src_tok = enc.encode_ordinary(src_text.strip()) + [cfg.eos_id]
+    if len(src_tok) >= cfg.max_len:
+        fail(f"--src has {len(src_tok)} tokens; {ckpt} allows at most {cfg.max_len - 1}")
+    src = torch.tensor([src_tok])
+    if tgt_text is None:  # the model's own translation, token for token as it was decoded
+        tgt_tok = M.beam_search(model, src, beam=beam)[0][0][0]
+        tgt_text = enc.decode([t for t in tgt_tok if t < enc.n_vocab])
+        print(f"plot.py: translation: {tgt_text}")
+    else:
+        tgt_tok = enc.encode_ordinary(tgt_text.strip())[:cfg.max_len - 1]
+    weights = attention_weights(model, src, torch.tensor([[cfg.bos_id] + tgt_tok]))
+    src_lab = token_labels(enc, src_tok)
+    dec_in = token_labels(enc, [cfg.bos_id] + tgt_tok)
+    # Cross-attention at a position is what produces the next token: its rows are labelled with the
+    # token predicted there, so the map reads as a source-target alignment.
+    dec_out = token_labels(enc, tgt_tok + [cfg.eos_id])
+    axis = {'encoder': (src_lab, src_lab), 'decoder': (dec_in, dec_in), 'cross': (dec_out, src_lab)}
+    plt = pyplot(show)
+    grid = [(k, L % n_layers[k]) for k in KINDS if k in kinds for L in layers]  # in the order data flows
+    side = 0.22 * max(len(src_lab), len(dec_in)) + 1.2
+    fig = plt.figure(figsize=(side * len(heads), side * (len(grid) + 1.6)))
+    gs = fig.add_gridspec(len(grid) + 2, len(heads))
+    for r, (kind, L) in enumerate(grid):
+        for c, h in enumerate(heads):
+            rows, cols = axis[kind]
+            heatmap(fig.add_subplot(gs[r, c]), weights[kind][L][0, h].numpy(), rows, cols,
+                    f"{kind} layer {L} head {h % cfg.n_heads}")
+    # Source-target alignment: one head rarely aligns alone, so average all of the chosen layers' heads.
+    n = cfg.n_dec_layers
+    cross_layers = sorted({L % n for L in layers if -n <= L < n}) or [n - 1]
+    mean = torch.stack([weights['cross'][L][0] for L in cross_layers]).mean((0, 1)).numpy()
+    span = min(2, len(heads))
+    start = (len(heads) - span) // 2
+    heatmap(fig.add_subplot(gs[len(grid):, start:start + span]), mean, dec_out, src_lab,
+            f"alignment: cross-attention, mean over heads\nof layer(s) {', '.join(map(str, cross_layers))}",
+            colorbar=True)
+    fig.suptitle(f"{src_text.strip()}  →  {tgt_text.strip()}\n"
+                 "(rows sum to 1; each map is scaled to its own largest weight)", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))  # room for the two-line title
+    save(fig, plt, out, show)
+
+
+# -----------------------------------------------------------------------------------------------
+# command line
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Learning curves and attention maps.")
+    sub = p.add_subparsers(dest='cmd', required=True)
+    c = sub.add_parser('curves', help="plot runs' log.jsonl, overlaid")
+    c.add_argument('runs', nargs='+', help="run folders (out/NAME) or log.jsonl files")
+    c.add_argument('-o', '--out', default='curves.png')
+    c.add_argument('--x', choices=['step', 'minutes'], default='step')
+    c.add_argument('--labels', nargs='+', help="legend names, one per run (default: the folder names)")
+    a = sub.add_parser('attention', help="attention heatmaps of one sentence")
+    a.add_argument('--ckpt', required=True)
+    a.add_argument('--src', required=True, help="source sentence")
+    a.add_argument('--tgt', help="target sentence (default: the model's own beam-search translation)")
+    a.add_argument('--layers', type=int, nargs='+', default=[-1], help="layer indices, -1 = last")
+    a.add_argument('--heads', type=int, nargs='+', help="head indices (default: all)")
+    a.add_argument('--kinds', nargs='+', choices=KINDS, default=list(KINDS), help="which attentions (default: all)")
+    a.add_argument('--beam', type=int, default=4)
+    a.add_argument('-o', '--out', default='attention.png')
+    for q in (c, a):
+        q.add_argument('--no-show', action='store_true', help="do not open a window even with a display")
+    args = p.parse_args(argv)
+    if args.cmd == 'attention' and args.beam < 1:
+        p.error("--beam must be at least 1")
+    show = has_display() and not args.no_show
+    if args.cmd == 'curves':
+        if args.labels and len(args.labels) != len(args.runs):
+            p.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
+        plot_curves(args.runs, args.out, args.x, args.labels, show)
+    else:
+        plot_attention(args.ckpt, args.src, args.out, args.tgt, args.layers, args.heads, args.kinds, args.beam, show)
+
+
+if __name__ == '__main__':
+    main()

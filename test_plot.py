@@ -1,0 +1,206 @@
+"""
+Tests for plot.py and the explicit attention weights of model.MultiHeadAttention: the weights are a
+distribution over keys, causal and blind to padding where the model must be, and reproduce what the fast
+SDPA path computes; the plot commands write real PNGs and fail on bad input with one line naming the file.
+"""
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import data_prep
+import model as M
+import plot
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    # Two shared cores: small models run faster on one thread than on oversubscribed ones.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny():
+    torch.manual_seed(0)
+    cfg = M.Config(vocab_size=24, n_enc_layers=2, n_dec_layers=2, d_model=32, d_ff=64, n_heads=4,
+                   dropout=0.0, max_len=64)
+    return M.Transformer(cfg).eval()
+
+
+def batch():
+    # The second pair is padded in source and target, so padding has something to be ignored by.
+    src = torch.tensor([[5, 6, 7, 8, 9, EOS], [10, 11, EOS, PAD, PAD, PAD]])
+    tgt_in = torch.tensor([[BOS, 12, 13, 14, 15], [BOS, 16, PAD, PAD, PAD]])
+    return src, tgt_in
+
+
+def all_weights(m):
+    w = plot.attention_weights(m, *batch())
+    return [x for kind in ('encoder', 'decoder', 'cross') for x in w[kind]]
+
+
+def test_attention_rows_sum_to_one():
+    for w in all_weights(tiny()):
+        assert (w >= 0).all()
+        torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]), atol=1e-6, rtol=0)
+
+
+def test_decoder_self_attention_is_causal():
+    w = plot.attention_weights(tiny(), *batch())
+    for layer in w['decoder']:
+        T = layer.size(-1)
+        future = torch.ones(T, T, dtype=torch.bool).triu(1)
+        assert (layer[..., future] == 0).all()
+        assert (layer[..., ~future] > 0).all()  # and every earlier position is seen
+
+
+def test_padding_gets_zero_weight():
+    w = plot.attention_weights(tiny(), *batch())
+    for layer in w['encoder'] + w['cross']:
+        assert (layer[1, :, :, 3:] == 0).all()  # keys 3.. of sentence 2 are padding
+        assert (layer[1, :, :, :3] > 0).all()
+        assert (layer[0] > 0).all()  # sentence 1 has no padding: nothing masked
+
+
+def test_explicit_weights_reproduce_fast_path():
+    m = tiny()
+    src, tgt_in = batch()
+    with torch.no_grad():
+        fast = m(src, tgt_in)
+        fast_decode = M.greedy_decode(m, src, max_len_b=6)
+        for mod in m.modules():
+            if isinstance(mod, M.MultiHeadAttention):
+                mod.keep_weights = True
+        explicit = m(src, tgt_in)
+        explicit_decode = M.greedy_decode(m, src, max_len_b=6)  # the KV-cached path, one query at a time
+    torch.testing.assert_close(explicit, fast, atol=1e-5, rtol=0)
+    assert [[t for t, _ in h] for h in explicit_decode] == [[t for t, _ in h] for h in fast_decode]
+    # Recomputed by hand from the stored weights: out_proj(weights @ V), heads concatenated.
+    attn, x = m.encoder[0].self_attn, torch.randn(2, 6, 32)
+    mask = (src != PAD)[:, None, None, :]
+    attn.keep_weights = False
+    want = attn(x, mask=mask)
+    attn.keep_weights = True
+    attn(x, mask=mask)
+    v = attn.heads(attn.qkv_proj(x).chunk(3, dim=-1)[2])
+    got = attn.out_proj((attn.weights @ v).transpose(1, 2).reshape(2, 6, 32))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_fast_path_keeps_no_weights():
+    m = tiny()
+    m(*batch())
+    plot.attention_weights(m, *batch())
+    m(*batch())
+    assert not any(hasattr(mod, 'weights') or mod.keep_weights
+                   for mod in m.modules() if isinstance(mod, M.MultiHeadAttention))
+
+
+# -----------------------------------------------------------------------------------------------
+# the commands
+
+def write_log(path, records):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in records))
+    return str(path)
+
+
+def train_record(step, minutes, loss=5.0):
+    return dict(step=step, epoch=0, loss=loss, ppl=100.0, lr=1e-3 * step / 40, grad_norm=1.0, tok_per_s=2000.0,
+                elapsed_min=minutes, eta_min=1.0)
+
+
+def synthetic_log(path, bleu=True):
+    records = []
+    for step in range(10, 50, 10):
+        records.append(train_record(step, step / 10, loss=8.0 - step / 10))
+        if step % 20 == 0:
+            records.append(dict(step=step, valid_loss=7.0 - step / 20, valid_ppl=50.0,
+                                **({'valid_bleu': step / 4} if bleu else {})))
+    return write_log(path, records)
+
+
+def assert_png(path):
+    image = pytest.importorskip('matplotlib.image')
+    assert open(path, 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
+    pixels = image.imread(path)  # decodes the whole file, so a truncated one fails here
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert pixels.std() > 0  # something was drawn
+
+
+def test_curves_png_is_valid(tmp_path):
+    pytest.importorskip('matplotlib')
+    a, b = synthetic_log(tmp_path / 'a'), synthetic_log(tmp_path / 'b', bleu=False)
+    for x in ('step', 'minutes'):
+        out = tmp_path / 'figs' / f'curves_{x}.png'
+        plot.main(['curves', a, b + '/log.jsonl', '-o', str(out), '--x', x, '--no-show'])
+        assert_png(out)
+    assert sorted(p.name for p in (tmp_path / 'figs').iterdir()) == ['curves_minutes.png', 'curves_step.png']
+
+
+def test_eval_minutes_are_interpolated_and_resumes_continue_the_clock(tmp_path):
+    run = write_log(tmp_path / 'r', [train_record(10, 1.0), train_record(20, 2.0), dict(step=15, valid_loss=6.0),
+                                     train_record(30, 3.0), train_record(40, 4.0),
+                                     # resumed from step 20 in a new process: its clock starts at 0
+                                     train_record(30, 0.5), dict(step=30, valid_loss=5.0), train_record(40, 1.5)])
+    train, evals = plot.read_log(run)
+    assert [(r['step'], r['minutes']) for r in train] == [(10, 1.0), (20, 2.0), (30, 2.5), (40, 3.5)]
+    assert [(e['step'], e['minutes']) for e in evals] == [(15, 1.5), (30, 2.5)]
+
+
+@pytest.mark.parametrize('content', [None, '', '\n', '{"not": "a record"}\n'])
+def test_bad_log_is_a_one_line_error_naming_it(tmp_path, content):
+    run = tmp_path / 'run'
+    run.mkdir()
+    if content is not None:
+        (run / 'log.jsonl').write_text(content)
+    with pytest.raises(SystemExit) as e:
+        plot.main(['curves', str(run), '-o', str(tmp_path / 'c.png'), '--no-show'])
+    msg = str(e.value)
+    assert str(run / 'log.jsonl') in msg and '\n' not in msg
+    assert not (tmp_path / 'c.png').exists()
+
+
+@pytest.fixture(scope='module')
+def checkpoint(tmp_path_factory):
+    words = 'a man is riding a red bike ein mann fährt ein rotes fahrrad'.split()
+    d = data_prep.train_tokenizer(iter([' '.join(words)] * 20), 300, 'toy')
+    sp = d['special_tokens']
+    torch.manual_seed(0)
+    cfg = M.Config(vocab_size=data_prep.load_tokenizer(d).n_vocab, n_enc_layers=2, n_dec_layers=2, d_model=32,
+                   d_ff=64, n_heads=4, dropout=0.0, max_len=64, pad_id=sp['<pad>'], bos_id=sp['<s>'],
+                   eos_id=sp['</s>'])
+    path = tmp_path_factory.mktemp('ckpt') / 'ckpt.pt'
+    torch.save({'model': M.Transformer(cfg).state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 0,
+                'config': {}}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize('extra', [
+    ['--tgt', 'ein mann fährt'],  # every kind and head of the last layer
+    # Its own translation: an untrained model's runs to the length limit, so one small map keeps it quick.
+    ['--kinds', 'cross', '--heads', '0'],
+    ['--tgt', 'ein mann fährt', '--layers', '0', '1', '--heads', '1', '-1', '--kinds', 'cross', 'decoder']])
+def test_attention_png_is_valid(tmp_path, checkpoint, extra):
+    pytest.importorskip('matplotlib')
+    out = tmp_path / 'attn.png'
+    plot.main(['attention', '--ckpt', checkpoint, '--src', 'a man is riding a bike', '--beam', '2',
+               '-o', str(out), '--no-show'] + extra)
+    assert_png(out)
+
+
+@pytest.mark.parametrize('flag, value, named', [('--ckpt', 'nowhere/ckpt.pt', 'nowhere/ckpt.pt'),
+                                                ('--layers', '5', '--layers 5'), ('--heads', '-5', '--heads -5'),
+                                                ('--src', ' ', '--src')])
+def test_bad_attention_input_is_a_one_line_error(tmp_path, checkpoint, flag, value, named):
+    given = {'--ckpt': checkpoint, '--src': 'a man', flag: value}
+    argv = ['attention', '-o', str(tmp_path / 'a.png'), '--no-show'] + [x for kv in given.items() for x in kv]
+    with pytest.raises(SystemExit) as e:
+        plot.main(argv)
+    assert named in str(e.value) and '\n' not in str(e.value)
+    assert not (tmp_path / 'a.png').exists()

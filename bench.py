@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data_prep
 import model as M
 
 # Configs beyond model.preset: 'small' is Multi30k-sized (what one trains on a laptop), 'tiny' is for tests.
@@ -72,31 +73,17 @@ def synthetic_pairs(n, vocab, rng, median=25, cap=250):
 
 
 def real_pairs(data_dir, n, rng, cap):
-    # data_prep.py layout (CONTRACT.md): flat token ids per language plus int64 sentence offsets.
-    meta = json.load(open(os.path.join(data_dir, 'meta.json')))
-    lang = {}
-    for code in (meta['src'], meta['tgt']):
-        idx = np.fromfile(os.path.join(data_dir, f'train.{code}.idx'), dtype=np.int64)
-        lang[code] = (np.memmap(os.path.join(data_dir, f'train.{code}.bin'), dtype=meta['dtype'], mode='r'), idx)
-    pick = rng.choice(len(lang[meta['src']][1]) - 1, size=n)
-    get = lambda code, i: np.asarray(lang[code][0][lang[code][1][i]:lang[code][1][i + 1]][:cap], dtype=np.int64)
-    return [(get(meta['src'], i), get(meta['tgt'], i)) for i in pick], meta
+    src_tok, src_idx, tgt_tok, tgt_idx = data_prep.load_split(data_dir, 'train')
+    pick = rng.choice(len(src_idx) - 1, size=n)
+    get = lambda tok, idx, i: np.asarray(tok[idx[i]:idx[i + 1]][:cap], dtype=np.int64)
+    return [(get(src_tok, src_idx, i), get(tgt_tok, tgt_idx, i)) for i in pick]
 
 
 def make_batches(pairs, batch_tokens, cfg, rng, n_batches, device):
-    """Token-based batching as in training: sort by length so a batch holds similar lengths, fill it
-    while sentences x longest side (with EOS/BOS) stays within batch_tokens (fairseq's max_tokens),
-    shuffle the batches, keep n_batches."""
-    order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]), len(pairs[i][1])))
-    groups, cur, longest = [], [], 0
-    for i in order:
-        L = max(len(pairs[i][0]), len(pairs[i][1])) + 1
-        if cur and (len(cur) + 1) * max(longest, L) > batch_tokens:
-            groups.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, L)
-    groups.append(cur)
+    """Token-based batching as in training (data_prep.token_batches: sorted by length, filled while
+    sentences x longest side with EOS/BOS stays within batch_tokens), the batches shuffled, n_batches kept."""
+    sizes = np.array([max(len(s), len(t)) + 1 for s, t in pairs])
+    groups = data_prep.token_batches(sizes, np.argsort(sizes, kind='stable'), batch_tokens)
     rng.shuffle(groups)
     return [collate([pairs[i] for i in g], cfg, device) for g in groups[:n_batches]]
 
@@ -109,7 +96,7 @@ def pad(seqs, pad_id):
 
 
 def collate(pairs, cfg, device):
-    # CONTRACT.md: src = tokens + EOS, decoder input = BOS + tokens, decoder target = tokens + EOS.
+    # README, Formats: src = tokens + EOS, decoder input = BOS + tokens, decoder target = tokens + EOS.
     src = pad([np.append(s, cfg.eos_id) for s, _ in pairs], cfg.pad_id)
     tgt_in = pad([np.insert(t, 0, cfg.bos_id) for _, t in pairs], cfg.pad_id)
     tgt_out = pad([np.append(t, cfg.eos_id) for _, t in pairs], cfg.pad_id)
@@ -314,7 +301,8 @@ def main(argv=None):
     cfg = M.preset(args.config) if args.config in M.PRESETS else M.Config(**CONFIGS[args.config])
     n_batches, n_pool = args.warmup + args.steps, 40 * args.batch_tokens // 25  # ~40 batches to draw from
     if args.data:
-        pairs, meta = real_pairs(args.data, n_pool, rng, cfg.max_len - 2)
+        pairs = real_pairs(args.data, n_pool, rng, cfg.max_len - 2)
+        meta = json.load(open(os.path.join(args.data, 'meta.json')))
         cfg = M.Config(**{**asdict(cfg), **{k: meta[k] for k in ('vocab_size', 'pad_id', 'bos_id', 'eos_id')}})
         dec_pairs = [pairs[i] for i in rng.choice(len(pairs), args.decode_sents)]
     else:

@@ -1,6 +1,6 @@
 """
 Prepare a parallel corpus for train.py: fetch the files, read them, clean the training pairs, learn a joint
-byte-level BPE (rustbpe), encode everything with tiktoken and write flat token files (format: CONTRACT.md).
+byte-level BPE (rustbpe), encode everything with tiktoken and write flat token files (format: README, Formats).
 
     python data_prep.py multi30k --src en --tgt de      # -> data/multi30k_en_de  (also --tgt fr)
     python data_prep.py wmt14 --src en --tgt de         # -> data/wmt14_en_de     (also --tgt fr)
@@ -15,7 +15,20 @@ rule drops 773 of 29000 en-de pairs (2.7%) and 663 en-fr (2.3%); --max-ratio 0 k
 Lines are split on '\\n' only; characters that Python's str.splitlines() would also break on (\\r, \\x85,
 \\u2028, ...) are replaced by a space inside a line, so every later reader sees the same pairs.
 """
-import argparse, base64, gzip, hashlib, io, itertools, json, os, re, sys, tarfile, time, zlib
+import argparse
+import base64
+import contextlib
+import gzip
+import hashlib
+import io
+import itertools
+import json
+import os
+import re
+import sys
+import tarfile
+import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -71,7 +84,7 @@ LOCAL_MULTI30K = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 
 PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 SPECIALS = ('<pad>', '<s>', '</s>')
 RETRY_WAIT = 2.0  # seconds before the first retry of a download, doubled each time
-LINE_BREAKS = re.compile('[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]')  # what str.splitlines() breaks on
+LINE_BREAKS = re.compile('[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]')  # what str.splitlines() breaks on
 
 # -----------------------------------------------------------------------------------------------
 # download
@@ -187,12 +200,14 @@ def label(src):
     return f'{path}:{member}' if member else path
 
 
-def read_lines(path, member=None):
-    """Yield the lines of a plain, .gz or .sgm file, or of a member of a .tar/.tgz (itself maybe .gz), as str
-    without the line ending. Of an SGM file only the text of the <seg ...> lines, as sacreBLEU reads them."""
-    where = label((path, member))
+def read_lines(path, member=None, errors='strict'):
+    """Yield the lines of a plain, .gz or .sgm file, of a member of a .tar/.tgz (itself maybe .gz), or of
+    stdin (path None), as str without the line ending; of an SGM file only the text of the <seg ...> lines,
+    as sacreBLEU reads them. Each line as soon as it is read. Invalid UTF-8 is an error naming file and line,
+    or with errors='replace' a warning and U+FFFD (translate.py: one line in must give one line out)."""
+    where = label((path, member)) if path else '<stdin>'
     try:
-        with open(path, 'rb') as f:
+        with (open(path, 'rb') if path else contextlib.nullcontext(sys.stdin.buffer)) as f:
             if member:
                 tar = tarfile.open(fileobj=f, mode='r|*')  # streaming: stops reading at the member
                 names = []
@@ -203,7 +218,7 @@ def read_lines(path, member=None):
                         break
                 else:
                     sys.exit(f'error: {path} has no member {member} (it has: {", ".join(names[:20])})')
-            name = member or path
+            name = member or path or ''
             sgm = name.endswith('.sgm')
             if name.endswith('.gz'):
                 f = io.BufferedReader(gzip.GzipFile(fileobj=f), 1 << 20)  # C readline, not gzip's
@@ -211,9 +226,14 @@ def read_lines(path, member=None):
                 if i == 1 and raw.startswith(b'\xef\xbb\xbf'):
                     raw = raw[3:]  # a UTF-8 byte-order mark marks the encoding; it is not text
                 try:
-                    line = LINE_BREAKS.sub(' ', raw.decode('utf-8').rstrip('\n').rstrip('\r'))
+                    text = raw.decode('utf-8')
                 except UnicodeDecodeError as e:
-                    sys.exit(f'error: {where} line {i}: invalid UTF-8 ({e.reason} at byte {e.start})')
+                    if errors != 'replace':
+                        sys.exit(f'error: {where} line {i}: invalid UTF-8 ({e.reason} at byte {e.start})')
+                    print(f'warning: {where}: line {i}: invalid UTF-8 at byte {e.start}, replaced with U+FFFD',
+                          file=sys.stderr)
+                    text = raw.decode('utf-8', errors='replace')
+                line = LINE_BREAKS.sub(' ', text.rstrip('\n').rstrip('\r'))
                 if sgm:
                     m = re.match(r'\s*<seg[^>]*>(.*)</seg>', line)
                     if not m:
@@ -271,6 +291,38 @@ def load_tokenizer(path_or_dict):
 
 # -----------------------------------------------------------------------------------------------
 # cleaning and writing
+
+
+def load_split(data_dir, split):
+    """A prepared split -> (src tokens, src offsets, tgt tokens, tgt offsets): sentence i of a side is
+    tokens[offsets[i]:offsets[i + 1]], memory-mapped, without BOS/EOS."""
+    try:
+        with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
+            meta = json.load(f)
+        sides = []
+        for lang in (meta['src'], meta['tgt']):
+            sides.append(np.memmap(os.path.join(data_dir, f'{split}.{lang}.bin'), dtype=meta['dtype'], mode='r'))
+            sides.append(np.fromfile(os.path.join(data_dir, f'{split}.{lang}.idx'), dtype=np.int64))
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f'error: {data_dir} is incomplete or damaged ({split}: {e}): prepare it again with data_prep.py')
+    return tuple(sides)
+
+
+def token_batches(sizes, order, max_tokens):
+    """fairseq's token-based batching: consecutive runs of `order` (indices into sizes, which the caller
+    sorts by length so that a batch holds similar lengths and little padding), each as long as its count
+    times its largest size, the padded tokens it holds, stays within max_tokens. An item over max_tokens
+    on its own is a batch by itself (train.py leaves those out beforehand)."""
+    order = np.asarray(order, dtype=np.int64)
+    batches, start, biggest = [], 0, 0
+    for i, size in enumerate(np.asarray(sizes)[order].tolist()):
+        if i > start and (i + 1 - start) * max(biggest, size) > max_tokens:
+            batches.append(order[start:i])
+            start, biggest = i, 0
+        biggest = max(biggest, size)
+    if len(order):
+        batches.append(order[start:])
+    return batches
 
 
 def clean_mask(ls, lt, max_len, max_ratio):

@@ -225,12 +225,14 @@ class Transformer(nn.Module):
         return [{'self': {}, 'cross': {}} for _ in self.decoder]
 
 
-def reorder_cache(cache, index):
-    # Beam search keeps each sentence's beams together, so only the self-attention history moves;
-    # the cross-attention K/V of a sentence are the same for all its beams.
+def reorder_cache(cache, index, cross=False):
+    # Beam search keeps each sentence's beams together, so a reorder moves only the self-attention
+    # history; the cross-attention K/V of a sentence are the same for all its beams. When finished
+    # sentences leave the batch (cross=True), both go.
     for layer in cache:
-        for name in ('k', 'v'):
-            layer['self'][name] = layer['self'][name].index_select(0, index)
+        for kind in ('self', 'cross') if cross else ('self',):
+            for name in ('k', 'v'):
+                layer[kind][name] = layer[kind][name].index_select(0, index)
 
 
 def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
@@ -271,38 +273,82 @@ def next_log_probs(model, tokens, memory, src_mask, cache):
 
 @torch.no_grad()
 def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
-    """Returns, for each sentence, [(tokens without BOS/EOS, summed log-probability)]."""
+    """Returns, for each sentence, [(tokens without BOS/EOS, summed log-probability)]. A sentence leaves
+    the batch when it ends, so later steps compute only for those still going."""
     cfg, B = model.cfg, src.size(0)
     memory, src_mask = model.encode(src)
     limit = max_lengths(model, src, max_len_a, max_len_b)
     cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
     score = torch.zeros(B, device=src.device)
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    active, out = torch.arange(B, device=src.device), [None] * B
     for t in range(int(limit.max())):
         logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
         best, nxt = logp.max(-1)
         at_limit = t + 1 >= limit  # the longest output allowed must end here
         nxt = torch.where(at_limit, cfg.eos_id, nxt)
-        best = torch.where(at_limit, logp[:, cfg.eos_id], best)
-        score += torch.where(done, 0.0, best)
-        nxt = torch.where(done, cfg.pad_id, nxt)
+        score += torch.where(at_limit, logp[:, cfg.eos_id], best)
         tokens = torch.cat([tokens, nxt[:, None]], 1)
-        done |= nxt == cfg.eos_id
-        if done.all():
-            break
-    out = []
-    for row, s in zip(tokens[:, 1:].tolist(), score.tolist()):
-        out.append([(row[:row.index(cfg.eos_id)] if cfg.eos_id in row else row, s)])
+        done = nxt == cfg.eos_id
+        if done.any():
+            for i, row, s in zip(active[done].tolist(), tokens[done, 1:-1].tolist(), score[done].tolist()):
+                out[i] = [(row, s)]
+            keep = (~done).nonzero().squeeze(1)
+            if len(keep) == 0:
+                break
+            active, tokens, score, limit = active[keep], tokens[keep], score[keep], limit[keep]
+            memory, src_mask = memory[keep], src_mask[keep]
+            reorder_cache(cache, keep, cross=True)
     return out
+
+
+# Beam search, one step at a time, in four parts (fairseq's rules; B sentences x k beams, V ids):
+# score the 2k best candidates, finish the EOS ones among the k best, keep the k best others alive, stop.
+
+def candidates(alive, logp, at_limit, k, eos_id):
+    """The 2k best (beam, token) continuations of each sentence by log-probability so far: 2k so that
+    k are left when up to k of them end in EOS. At the length limit only EOS may follow."""
+    B, V = alive.size(0), logp.size(-1)
+    cand = alive[:, :, None] + logp.view(B, k, V)
+    cand.masked_fill_(at_limit[:, None, None] & (torch.arange(V, device=cand.device) != eos_id), -math.inf)
+    top, idx = cand.view(B, -1).topk(2 * k, dim=1)
+    return top, idx // V, idx % V  # scores, the beam each extends, the token
+
+
+def finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, eos_id):
+    """EOS candidates that rank among the k best join the k best finished hypotheses of their sentence,
+    scored log P / lp(t + 1). Only the k best count, as in fairseq: counting all 2k would make beam 1
+    differ from greedy. An EOS ranked k..2k-1 is dropped; it neither finishes nor stays alive."""
+    (B, k), L = fin_scores.shape, fin_tokens.size(2) - 1
+    finishes = (tok == eos_id) & (torch.arange(2 * k, device=tok.device) < k)
+    eos_scores = torch.where(finishes, top / length_penalty(t + 1, alpha), -math.inf)
+    hist = tokens.view(B, k, -1).gather(1, src_beam[:, :, None].expand(-1, -1, t + 1))
+    cand_tokens = F.pad(torch.cat([hist[:, :, 1:], tok[:, :, None]], 2), (0, L - t), value=eos_id)  # past EOS: unread
+    fin_scores, order = torch.cat([fin_scores, eos_scores], 1).topk(k, dim=1)
+    return fin_scores, torch.cat([fin_tokens, cand_tokens], 1).gather(1, order[:, :, None].expand(-1, -1, L + 1))
+
+
+def keep_alive(top, src_beam, tok, tokens, eos_id):
+    """The k best candidates not ending in EOS become the live beams: a live beam never ends in EOS.
+    -> their scores, their token histories, and the rows each came from (to reorder the cache)."""
+    B, k = top.size(0), top.size(1) // 2
+    alive, order = torch.where(tok == eos_id, -math.inf, top).topk(k, dim=1)
+    beam_idx = (src_beam.gather(1, order) + torch.arange(B, device=top.device)[:, None] * k).view(-1)
+    return alive, torch.cat([tokens[beam_idx], tok.gather(1, order).view(-1, 1)], 1), beam_idx
+
+
+def can_stop(fin_scores, alive, limit, t, alpha):
+    """A sentence is done when its k-th finished score beats the best its best live beam can still reach
+    (tensor2tensor's rule: log-probabilities only fall, so that is its current log-probability under the
+    largest length penalty it can reach), or at its length limit."""
+    return (fin_scores[:, -1] >= alive[:, 0] / length_penalty(limit.float(), alpha)) | (t + 1 >= limit)
 
 
 @torch.no_grad()
 def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbest=1):
     """Batched over sentences x beams. Returns, for each sentence, the nbest [(tokens, score)]
     sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. Finished hypotheses are kept until no
-    live beam can beat them (tensor2tensor's stopping rule), not dropped at the first k."""
-    cfg, B, k = model.cfg, src.size(0), beam
-    dev = src.device
+    live beam can beat them (can_stop), not dropped at the first k."""
+    cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
     memory, src_mask = model.encode(src)
     memory, src_mask = memory.repeat_interleave(k, 0), src_mask.repeat_interleave(k, 0)
     limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
@@ -312,39 +358,26 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     alive[:, 0] = 0.0  # all beams start identical: expand only one
     fin_scores = torch.full((B, k), -math.inf, device=dev)
     fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    offsets = (torch.arange(B, device=dev) * k)[:, None]
+    # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
+    active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()
     for t in range(L):
         logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
-        V = logp.size(-1)
-        cand = (alive[:, :, None] + logp.view(B, k, V))
-        # At the length limit only EOS may follow.
-        cand.masked_fill_((t + 1 >= limit)[:, None, None] & (torch.arange(V, device=dev) != cfg.eos_id), -math.inf)
-        top, idx = cand.view(B, -1).topk(2 * k, dim=1)  # 2k: enough that k are not EOS
-        src_beam, tok = idx // V, idx % V
-        is_eos = tok == cfg.eos_id
-        # Finished: EOS candidates that rank among the k best join the k best finished hypotheses of
-        # their sentence (as fairseq; counting all 2k would make beam 1 differ from greedy). An EOS
-        # ranked k..2k-1 is dropped: it neither finishes nor stays alive.
-        finishes = is_eos & (torch.arange(2 * k, device=dev) < k) & ~done[:, None]
-        eos_scores = torch.where(finishes, top / length_penalty(t + 1, alpha), -math.inf)
-        hist = tokens.view(B, k, -1).gather(1, src_beam[:, :, None].expand(-1, -1, t + 1))
-        cand_tokens = F.pad(torch.cat([hist[:, :, 1:], tok[:, :, None]], 2), (0, L - t), value=cfg.pad_id)
-        fin_scores, order = torch.cat([fin_scores, eos_scores], 1).topk(k, dim=1)
-        fin_tokens = torch.cat([fin_tokens, cand_tokens], 1).gather(1, order[:, :, None].expand(-1, -1, L + 1))
-        # Alive: the k best non-EOS candidates.
-        alive, order = torch.where(is_eos, -math.inf, top).topk(k, dim=1)
-        beam_idx = (src_beam.gather(1, order) + offsets).view(-1)
-        tokens = torch.cat([tokens[beam_idx], tok.gather(1, order).view(-1, 1)], 1)
+        top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
+        fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
+        alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
         reorder_cache(cache, beam_idx)
-        # Log-probabilities only fall, so a live beam's best possible final score is its current
-        # log-probability under the largest length penalty it can still reach.
-        best_possible = alive[:, 0] / length_penalty(limit.float(), alpha)
-        done |= (fin_scores[:, -1] >= best_possible) | (t + 1 >= limit)
-        if done.all():
-            break
+        done = can_stop(fin_scores, alive, limit, t, alpha)
+        if done.any():
+            out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
+            keep = (~done).nonzero().squeeze(1)
+            if len(keep) == 0:
+                break
+            rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)
+            active, alive, limit, fin_scores, fin_tokens = (x[keep] for x in (active, alive, limit, fin_scores, fin_tokens))
+            tokens, memory, src_mask = tokens[rows], memory[rows], src_mask[rows]
+            reorder_cache(cache, rows, cross=True)
     out = []
-    for toks, scores in zip(fin_tokens.tolist(), fin_scores.tolist()):
+    for toks, scores in zip(out_tokens.tolist(), out_scores.tolist()):
         hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
         out.append(hyps[:nbest])
     return out
@@ -352,8 +385,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
 
 def fast_dtype(device_type):
     """'bfloat16' where bf16 matrix multiply is native (GPUs; CPUs with AVX512-BF16 or AMX), else
-    'float32'. An AVX2-only CPU emulates bf16: a 2048^2 matmul ran at 0.3 GFLOP/s against 170 in
-    float32 on a 2-core AVX2 EPYC, while on one with AVX512-BF16 bf16 is about 4x float32."""
+    'float32': an AVX2-only CPU emulates bf16 at hundreds of times the cost of float32 (README, Performance)."""
     if device_type == 'cuda':
         return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
     native = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False)() for isa in ('avx512_bf16', 'amx_tile')]

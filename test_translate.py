@@ -1,7 +1,7 @@
 """
 Tests for translate.py. A module fixture trains a tiny model.Transformer to reverse the word order of
 sentences over a 12-word vocabulary (through a small BPE tokenizer), saves it in the checkpoint format
-of CONTRACT.md, and translate.py then runs on it as a library, in-process (main) and as a script.
+of the README's Formats section, and translate.py then runs on it as a library, in-process (main) and as a script.
 """
 import os
 import pty

@@ -140,13 +140,14 @@ if ddp:
 else:
     rank, world = 0, 1
 master = rank == 0
+log = print if master else (lambda *a, **k: None)  # rank 0 speaks for all
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 if dtype == 'float16' and device_type == 'cpu':
     sys.exit("dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on CPU")
 if dtype == 'auto':
     dtype = M.fast_dtype(device_type)
-elif dtype == 'bfloat16' and M.fast_dtype(device_type) != 'bfloat16' and master:
-    print(f"WARNING: this {device_type} has no native bfloat16 matrix multiply; dtype='bfloat16' will be far "
+elif dtype == 'bfloat16' and M.fast_dtype(device_type) != 'bfloat16':
+    log(f"WARNING: this {device_type} has no native bfloat16 matrix multiply; dtype='bfloat16' will be far "
           "slower than 'float32' (dtype='auto' picks the faster one)", file=sys.stderr)
 torch.manual_seed(seed + rank)
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -157,7 +158,6 @@ if device_type == 'cpu' and dtype == 'bfloat16':
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 autocast = (contextlib.nullcontext() if dtype == 'float32'
             else torch.autocast(device_type=device_type, dtype=ptdtype))
-log = print if master else (lambda *a, **k: None)
 
 # -----------------------------------------------------------------------------------------------
 # out_dir: writable, and either a new run's or the one being resumed, before any work is done
@@ -189,16 +189,6 @@ meta = json.load(open(os.path.join(data_dir, 'meta.json')))
 src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], meta['bos_id'], meta['eos_id']
 
 
-def load_split(split):
-    def read(lang):
-        try:
-            tokens = np.memmap(os.path.join(data_dir, f'{split}.{lang}.bin'), dtype=meta['dtype'], mode='r')
-            return tokens, np.fromfile(os.path.join(data_dir, f'{split}.{lang}.idx'), dtype=np.int64)
-        except (OSError, ValueError) as e:
-            sys.exit(f"{data_dir} is incomplete or damaged ({split}.{lang}: {e}): prepare it again with data_prep.py")
-    return read(src_lang) + read(tgt_lang)
-
-
 def pair_sizes(data):
     _, src_idx, _, tgt_idx = data
     return np.maximum(np.diff(src_idx), np.diff(tgt_idx)) + 1  # + EOS (or BOS): padded tokens per side
@@ -213,11 +203,7 @@ def batch_plan(data, epoch, shuffle=True):
     order = rng.permutation(len(size)) if shuffle else np.arange(len(size))
     order = order[np.argsort(size[order], kind='stable')]
     order = order[size[order] <= max_tokens]  # longer pairs fit no batch (counted and reported at start)
-    batches, start, sizes = [], 0, size[order].tolist()
-    for end in range(1, len(order) + 1):
-        if end == len(order) or (end + 1 - start) * sizes[end] > max_tokens:
-            batches.append(order[start:end])
-            start = end
+    batches = data_prep.token_batches(size, order, max_tokens)
     if shuffle:
         batches = [batches[i] for i in rng.permutation(len(batches))]
     return batches
@@ -237,7 +223,7 @@ def get_batch(data, ids):
     return [torch.from_numpy(x).to(device, non_blocking=True) for x in (src, tgt_in, tgt_out)]
 
 
-train_data, valid_data = load_split('train'), load_split('valid')
+train_data, valid_data = data_prep.load_split(data_dir, 'train'), data_prep.load_split(data_dir, 'valid')
 train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss counts
 sizes = pair_sizes(train_data)
 if sizes.min() > max_tokens:
@@ -402,11 +388,10 @@ def evaluate(final=False):  # every rank takes part: each validates its share
 
 # -----------------------------------------------------------------------------------------------
 # training loop
-if master:
-    logfile = open(os.path.join(out_dir, 'log.jsonl'), 'a')
-    print(json.dumps(config, indent=1))
-    print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es) x update_freq "
-          f"{update_freq} x max_tokens {max_tokens}; device {device}, {dtype}")
+logfile = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None
+log(json.dumps(config, indent=1))
+log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es) x update_freq "
+    f"{update_freq} x max_tokens {max_tokens}; device {device}, {dtype}")
 plan = batch_plan(train_data, epoch)
 per_update = world * update_freq
 t_start = t_last = last_save = time.time()
@@ -477,9 +462,9 @@ while step < max_steps:
                 eta = min(eta, max_minutes * 60 - elapsed)
             record = dict(step=step, epoch=epoch, loss=loss_tok, ppl=ppl, lr=lr_now, grad_norm=grad_norm.item(),
                           tok_per_s=tokens_since / dt, elapsed_min=elapsed / 60, eta_min=max(eta, 0) / 60)
-            print(f"step {step} | epoch {epoch} | loss {loss_tok:.3f} | ppl {ppl:.2f} | lr {lr_now:.2e} | "
-                  f"gnorm {grad_norm.item():.2f} | {tokens_since / dt:,.0f} tgt tok/s | "
-                  f"{elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min", flush=True)
+            log(f"step {step} | epoch {epoch} | loss {loss_tok:.3f} | ppl {ppl:.2f} | lr {lr_now:.2e} | "
+                f"gnorm {grad_norm.item():.2f} | {tokens_since / dt:,.0f} tgt tok/s | "
+                f"{elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min", flush=True)
             logfile.write(json.dumps(record) + '\n')
             logfile.flush()
         tokens_since = 0
@@ -501,4 +486,5 @@ evaluate(final=True)
 bleu_note = f', best valid BLEU {best_bleu:.2f}' if best_bleu >= 0 else ''  # -1: BLEU never computed
 log(f"done: step {step}, {(time.time() - t_start) / 60:.1f} min{bleu_note}")
 if ddp:
+    dist.barrier()  # no rank tears down its process group while another still uses it
     dist.destroy_process_group()

@@ -16,6 +16,7 @@ import sys
 import time
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
@@ -138,10 +139,6 @@ def newest_checkpoints(path, n):
 # -----------------------------------------------------------------------------------------------
 # translation
 
-# Every character str.splitlines() breaks at: a hypothesis containing one would shift all later lines.
-LINE_BREAKS = re.compile('[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]')
-
-
 def source_limit(cfg, max_len_a, max_len_b):
     # Source tokens + EOS must fit the positional table, and so should the longest output allowed,
     # a * |src incl. EOS| + b (model.max_lengths), or long sentences would be cut off mid-translation.
@@ -172,12 +169,9 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                 toks = toks[:limit]
             srcs[i] = toks + [cfg.eos_id]
     # Longest first: padding stays small, and a batch too large for memory fails at once, not at the end.
-    order, batches = sorted(srcs, key=lambda i: -len(srcs[i])), []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * len(srcs[batches[-1][0]]) <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+    ids = list(srcs)
+    sizes = np.array([len(srcs[i]) for i in ids], dtype=np.int64)
+    batches = [[ids[j] for j in b] for b in data_prep.token_batches(sizes, np.argsort(-sizes, kind='stable'), max_tokens)]
     autocast = (nullcontext() if dtype is None else
                 torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
     if stats is not None:
@@ -204,7 +198,9 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                 if stats is not None:
                     stats['tgt_tokens'] += len(hyps[0][0])
                 # Ids past the tokenizer's (a vocabulary padded for speed) have no text.
-                texts = [LINE_BREAKS.sub(' ', enc.decode([t for t in toks if t < enc.n_vocab])) for toks, _ in hyps]
+                # A hypothesis holding a line break would shift every later line of the output.
+                texts = [data_prep.LINE_BREAKS.sub(' ', enc.decode([t for t in toks if t < enc.n_vocab]))
+                         for toks, _ in hyps]
                 yield texts[0] if nbest == 1 else [(s, t) for t, (_, s) in zip(texts, hyps)]
                 nxt += 1
     finally:
@@ -248,41 +244,22 @@ def paper_bleu(hyps, refs):
 # -----------------------------------------------------------------------------------------------
 # command line
 
-def decode_line(raw, name, n):  # (the '\r' of CRLF files goes with translate_lines' strip())
-    try:
-        return raw.decode('utf-8')
-    except UnicodeDecodeError as e:
-        warn(f"{name}: line {n}: invalid UTF-8 at byte {e.start}, replaced with U+FFFD")
-        return raw.decode('utf-8', errors='replace')
-
-
-def read_lines(path):
-    # Bytes, split at b'\n' only: text mode would also split at a lone '\r' and shift the lines.
-    try:
-        with (open(path, 'rb') if path else nullcontext(sys.stdin.buffer)) as f:
-            raw = f.read().split(b'\n')
-    except OSError as e:
-        fail(f"cannot read {path}: {e.strerror}")
-    if raw[-1] == b'':
-        raw.pop()  # the final newline ends the last line rather than starting another
-    lines = [decode_line(r, path or '<stdin>', n) for n, r in enumerate(raw, 1)]
-    if lines and lines[0].startswith('\ufeff'):
-        lines[0] = lines[0][1:]  # a UTF-8 byte-order mark is not text
-    return lines
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description="Translate a file or stdin with a trained checkpoint.")
     p.add_argument('--ckpt', required=True, help="checkpoint file (with --average-last, a file or folder)")
     p.add_argument('--input', help="source text, one sentence per line (default: stdin)")
     p.add_argument('--output', help="where the translations go (default: stdout)")
     p.add_argument('--beam', type=int, default=4, help="beam size (the paper: 4)")
-    p.add_argument('--lenpen', type=float, default=0.6, help="length penalty alpha (the paper: 0.6)")
-    p.add_argument('--max-len-a', type=float, default=1.0, help="output at most a * source length + b")
+    # Same names as fairseq's flags, other meanings: said here and in the README.
+    p.add_argument('--lenpen', type=float, default=0.6, help="GNMT's length penalty alpha, score = log P / "
+                   "((5 + |Y|) / 6)^alpha (the paper: 0.6); not fairseq's log P / |Y|^lenpen")
+    p.add_argument('--max-len-a', type=float, default=1.0, help="at most a * (source tokens + EOS) + b output "
+                   "tokens, EOS included (default 1 and 50: the paper's input + 50; fairseq's are 0 and 200)")
     p.add_argument('--max-len-b', type=int, default=50)
     p.add_argument('--greedy', action='store_true', help="greedy decoding instead of beam search")
     p.add_argument('--nbest', type=int, default=1, help="N lines 'score<TAB>hypothesis' per input line")
-    p.add_argument('--max-tokens', type=int, default=4096, help="padded source tokens per batch")
+    p.add_argument('--max-tokens', type=int, default=4096, help="padded source tokens per batch: sentences x the "
+                   "longest source incl. EOS (fairseq counts target tokens too); beam search decodes beam x as many")
     p.add_argument('--average-last', type=int, default=0, help="average the newest N ckpt_STEP.pt first")
     p.add_argument('--save-average', help="write the averaged checkpoint here")
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
@@ -300,8 +277,8 @@ def main(argv=None):
     if args.device.startswith('cuda') and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no GPU available")
     interactive = args.input is None and sys.stdin.isatty()
-    lines = None if interactive else read_lines(args.input)
-    refs = read_lines(args.ref) if args.ref else None
+    lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
+    refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
     if refs is not None and lines is not None and len(refs) != len(lines):
         fail(f"{args.ref} has {len(refs)} lines but {args.input or '<stdin>'} has {len(lines)}")
 
@@ -335,8 +312,7 @@ def main(argv=None):
     if interactive:  # one line at a time, as typed
         print(f"translate.py: {args.ckpt} loaded; type a sentence, Ctrl-D to quit", file=sys.stderr)
         try:
-            for n, raw in enumerate(iter(sys.stdin.buffer.readline, b''), 1):
-                line = decode_line(raw.rstrip(b'\n'), '<stdin>', n)
+            for n, line in enumerate(data_prep.read_lines(None, errors='replace'), 1):
                 write(list(translate_lines(model, enc, [line], first_line=n, **opts))[0])
                 out.flush()
         except KeyboardInterrupt:

@@ -38,15 +38,15 @@ def make_tokenizer(corpus):
     return d, data_prep.load_tokenizer(d)
 
 
-@pytest.fixture(scope='module')
-def toy(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def train_reversal(steps=250, **overrides):
+    """A tiny model trained to reverse word order -> (model in eval mode, tokenizer dict, Encoding, Config).
+    Also used by test_export.py."""
     rng = random.Random(0)
     d, enc = make_tokenizer([sentence(rng) for _ in range(3000)])
     sp = d['special_tokens']
-    cfg = M.Config(vocab_size=enc.n_vocab, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4,
-                   dropout=0.0, max_len=80, pad_id=sp['<pad>'], bos_id=sp['<s>'], eos_id=sp['</s>'])
+    cfg = M.Config(**{**dict(vocab_size=enc.n_vocab, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128,
+                             n_heads=4, dropout=0.0, max_len=80, pad_id=sp['<pad>'], bos_id=sp['<s>'],
+                             eos_id=sp['</s>']), **overrides})
     torch.manual_seed(0)
     model = M.Transformer(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -54,7 +54,7 @@ def toy(tmp_path_factory):
     def pad(seqs):
         return torch.tensor([s + [cfg.pad_id] * (max(map(len, seqs)) - len(s)) for s in seqs])
 
-    for _ in range(250):
+    for _ in range(steps):
         batch = [sentence(rng) for _ in range(64)]
         src = pad([enc.encode_ordinary(s) + [cfg.eos_id] for s in batch])
         tgt = [enc.encode_ordinary(reverse(s)) for s in batch]
@@ -63,7 +63,14 @@ def toy(tmp_path_factory):
         opt.zero_grad()
         (loss / n).backward()
         opt.step()
-    model.eval()
+    return model.eval(), d, enc, cfg
+
+
+@pytest.fixture(scope='module')
+def toy(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, d, enc, cfg = train_reversal()
     folder = tmp_path_factory.mktemp('toy')
     ckpt = folder / 'ckpt.pt'
     torch.save({'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 250,

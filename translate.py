@@ -10,6 +10,7 @@ Also the library train.py uses: load_checkpoint, average_checkpoints, save_atomi
 """
 import argparse
 import glob
+import json
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ import data_prep
 import model as M
 
 
-def fail(msg):  # named after the running script: train.py reads checkpoints through here too
+def fail(msg):  # named after the running script: train.py and export_ct2.py import these too
     raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {msg}")
 
 
@@ -60,6 +61,19 @@ def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
     return ckpt
 
 
+def check_tokenizer(path, cfg, enc):
+    # A model trained with another tokenizer would silently produce garbage: refuse it instead.
+    if cfg.vocab_size < enc.n_vocab:
+        fail(f"{path}: model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {enc.n_vocab} tokens")
+    for name, want in (('<pad>', cfg.pad_id), ('<s>', cfg.bos_id), ('</s>', cfg.eos_id)):
+        try:
+            got = enc.encode_single_token(name)
+        except KeyError:
+            got = None
+        if got != want:
+            fail(f"{path}: tokenizer's {name} id is {got} but the model's is {want}")
+
+
 def load_checkpoint(path, device='cpu', state_dict=None):
     """-> (model in eval mode on device, tiktoken Encoding, checkpoint dict). The tokenizer comes from the
     checkpoint itself (embedded dict, or a path, taken relative to the checkpoint if not found as is).
@@ -76,16 +90,7 @@ def load_checkpoint(path, device='cpu', state_dict=None):
         enc = data_prep.load_tokenizer(tok)
     except Exception as e:
         fail(f"{path}: cannot load its tokenizer: {type(e).__name__}: {e}")
-    # A model trained with another tokenizer would silently produce garbage: refuse it instead.
-    if cfg.vocab_size < enc.n_vocab:
-        fail(f"{path}: model vocab_size {cfg.vocab_size} is smaller than the tokenizer's {enc.n_vocab} tokens")
-    for name, want in (('<pad>', cfg.pad_id), ('<s>', cfg.bos_id), ('</s>', cfg.eos_id)):
-        try:
-            got = enc.encode_single_token(name)
-        except KeyError:
-            got = None
-        if got != want:
-            fail(f"{path}: tokenizer's {name} id is {got} but the model's is {want}")
+    check_tokenizer(path, cfg, enc)
     model = M.Transformer(cfg)
     try:
         model.load_state_dict(ckpt['model'] if state_dict is None else state_dict)
@@ -137,6 +142,121 @@ def newest_checkpoints(path, n):
 
 
 # -----------------------------------------------------------------------------------------------
+# CTranslate2 exports (written by export_ct2.py)
+
+CT2_MARKER = 'export_ct2.json'  # our Config and provenance, next to CTranslate2's model.bin
+
+
+def is_ct2_export(path):
+    return os.path.isfile(os.path.join(path, CT2_MARKER))
+
+
+class CT2Model:
+    """An export decoded by ctranslate2.Translator, with what translate_lines needs of a model: cfg, device,
+    train()/eval() (no-ops), and decode(), which returns what model.greedy_decode / beam_search return.
+
+    The output length cap is model.py's, a * |src incl. EOS| + b per sentence, exactly: CTranslate2 has
+    one max_decoding_length per call, so a batch is decoded under its longest cap and the sentences whose
+    output reached their own cap (where a shorter cap could have changed it) are decoded again under it.
+
+    Length penalty: CTranslate2 ranks finished hypotheses by log P / |Y|^alpha (src/decoding.cc,
+    finalize_hypothesis_score), not GNMT's log P / ((5 + |Y|) / 6)^alpha of model.py. All its beam-size
+    finished hypotheses are therefore asked for, with EOS (so |Y| counts it, as model.py's does), log P is
+    recovered from the score and they are re-ranked by GNMT's penalty; scores are then model.py's. What
+    still differs: CTranslate2 stops once beam-size hypotheses have finished (model.py: once no live beam
+    can beat them), at the cap it ends the best continuations rather than appending EOS to live beams,
+    and it bans <pad> and <s> before the softmax rather than after (a few 1e-5 in the scores)."""
+    training = False
+
+    def __init__(self, path, device='cpu', compute_type='default'):
+        try:
+            import ctranslate2
+        except ImportError:
+            fail(f"{path} is a CTranslate2 export: pip install ctranslate2")
+        try:
+            with open(os.path.join(path, CT2_MARKER), encoding='utf-8') as f:
+                self.cfg = M.Config(**json.load(f)['model_cfg'])
+            with open(os.path.join(path, 'shared_vocabulary.json'), encoding='utf-8') as f:
+                self.tokens = json.load(f)
+            kind, _, index = device.partition(':')
+            self.translator = ctranslate2.Translator(
+                path, device=kind, device_index=int(index or 0), compute_type=compute_type,
+                intra_threads=torch.get_num_threads() if kind == 'cpu' else 0)  # OMP_NUM_THREADS, as torch
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            fail(f"cannot load CTranslate2 export {path}: {type(e).__name__}: {(str(e).strip() + ' ').splitlines()[0]}")
+        self.path, self.device, self.ids = path, torch.device('cpu'), {t: i for i, t in enumerate(self.tokens)}
+        self.compute_type = self.translator.compute_type
+
+    @staticmethod
+    def default_device():
+        try:
+            import ctranslate2
+        except ImportError:
+            return 'cpu'  # the constructor then says what to install
+        return 'cuda' if ctranslate2.get_cuda_device_count() else 'cpu'
+
+    def train(self, mode=True):  # translate_lines' switch to eval mode and back is for torch models
+        return self
+
+    def eval(self):
+        return self
+
+    def decode(self, src, beam, alpha, max_len_a, max_len_b, nbest):
+        cfg = self.cfg
+        limit = M.max_lengths(self, src, max_len_a, max_len_b).tolist()
+        # The export appends EOS itself (add_source_eos, as CTranslate2's fairseq converter sets it).
+        rows = [[self.tokens[t] for t in row if t != cfg.pad_id][:-1] for row in src.tolist()]
+        out = [[([], 0.0)] for _ in rows]  # a cap of 1 leaves room for EOS alone
+        todo = [i for i in range(len(rows)) if limit[i] > 1]
+        if beam == 1 or alpha != 0:
+            groups = [todo]
+        else:  # without a penalty CTranslate2 stops early, and when it stopped cannot be told: cap by cap
+            groups = [[i for i in todo if limit[i] == n] for n in sorted({limit[i] for i in todo})]
+        while groups:
+            group = groups.pop()
+            if not group:
+                continue
+            steps = max(limit[i] for i in group) - 1  # model.py's cap includes the EOS it forces
+            results = self.translator.translate_batch(
+                [rows[i] for i in group], beam_size=beam, num_hypotheses=beam,
+                length_penalty=alpha if beam > 1 else 0, max_decoding_length=steps, min_decoding_length=0,
+                max_input_length=0, return_scores=True, return_end_token=True,
+                suppress_sequences=[['<pad>'], ['<s>']])
+            redo = {}
+            for i, r in zip(group, results):
+                # Search finished on the step its longest hypothesis ended; before this sentence's own last
+                # step, a shorter cap would have found the same.
+                if limit[i] - 1 < steps and max(map(len, r.hypotheses)) >= limit[i] - 1:
+                    redo.setdefault(limit[i], []).append(i)
+                else:
+                    out[i] = self.rerank(r, beam, alpha)[:nbest]
+            groups += redo.values()
+        return out
+
+    def rerank(self, result, beam, alpha):
+        hyps = []
+        for toks, score in zip(result.hypotheses, result.scores):
+            ids = [self.ids[t] for t in toks]
+            logp = score * len(ids) ** alpha if beam > 1 else score
+            if ids and ids[-1] == self.cfg.eos_id:
+                ids.pop()
+            # |Y| counts EOS, also where the cap cut the hypothesis before it (model.py forces one there).
+            hyps.append((ids, logp / M.length_penalty(len(ids) + 1, alpha) if beam > 1 else logp))
+        return sorted(hyps, key=lambda h: -h[1])
+
+
+def load_ct2(path, device='cpu', compute_type='default'):
+    """-> (CT2Model, tiktoken Encoding) of an export_ct2.py directory."""
+    model = CT2Model(path, device, compute_type)
+    try:
+        enc = data_prep.load_tokenizer(os.path.join(path, 'tokenizer.json'))
+    except Exception as e:
+        fail(f"{path}: cannot load its tokenizer: {type(e).__name__}: {e}")
+    check_tokenizer(path, model.cfg, enc)
+    return model, enc
+
+
+# -----------------------------------------------------------------------------------------------
 # translation
 
 def source_limit(cfg, max_len_a, max_len_b):
@@ -157,7 +277,8 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
     stats, a dict, gets 'sentences', 'src_tokens' and 'tgt_tokens' (best hypotheses) added to it."""
     if nbest > (1 if greedy else beam):
         raise ValueError(f"nbest {nbest} needs a beam at least that wide")
-    cfg, device = model.cfg, next(model.parameters()).device
+    cfg = model.cfg
+    device = model.device if isinstance(model, CT2Model) else next(model.parameters()).device
     limit = source_limit(cfg, max_len_a, max_len_b)
     lines, srcs = list(lines), {}
     for i, line in enumerate(lines):
@@ -188,7 +309,9 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                 src = torch.tensor([srcs[i] + [cfg.pad_id] * (S - len(srcs[i])) for i in batch], device=device)
                 # no_grad and autocast only around the work: a generator must not leak them to the caller.
                 with torch.no_grad(), autocast:
-                    if greedy:
+                    if isinstance(model, CT2Model):
+                        out = model.decode(src, 1 if greedy else beam, alpha, max_len_a, max_len_b, nbest)
+                    elif greedy:
                         out = M.greedy_decode(model, src, max_len_a, max_len_b)
                     else:
                         out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest)
@@ -246,7 +369,8 @@ def paper_bleu(hyps, refs):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Translate a file or stdin with a trained checkpoint.")
-    p.add_argument('--ckpt', required=True, help="checkpoint file (with --average-last, a file or folder)")
+    p.add_argument('--ckpt', required=True,
+                   help="checkpoint file (with --average-last, a file or folder), or an export_ct2.py directory")
     p.add_argument('--input', help="source text, one sentence per line (default: stdin)")
     p.add_argument('--output', help="where the translations go (default: stdout)")
     p.add_argument('--beam', type=int, default=4, help="beam size (the paper: 4)")
@@ -262,9 +386,11 @@ def main(argv=None):
                    "longest source incl. EOS (fairseq counts target tokens too); beam search decodes beam x as many")
     p.add_argument('--average-last', type=int, default=0, help="average the newest N ckpt_STEP.pt first")
     p.add_argument('--save-average', help="write the averaged checkpoint here")
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--device', help="cpu, cuda or cuda:N (default: cuda where there is one)")
     p.add_argument('--dtype', choices=['float32', 'bfloat16', 'float16'],
                    help="autocast dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument('--ct2-compute-type', default='default',
+                   help="a CTranslate2 export's compute type (default: its quantization, where the device has it)")
     p.add_argument('--ref', help="reference translations: print sacreBLEU and chrF to stderr")
     p.add_argument('--paper-bleu', action='store_true', help="also the paper's tokenised, compound-split BLEU")
     args = p.parse_args(argv)
@@ -274,7 +400,14 @@ def main(argv=None):
         p.error("--paper-bleu needs --ref")
     if args.save_average and not args.average_last:
         p.error("--save-average needs --average-last")
-    if args.device.startswith('cuda') and not torch.cuda.is_available():
+    ct2 = is_ct2_export(args.ckpt)
+    if ct2 and (args.average_last or args.dtype):
+        p.error("--average-last and --dtype are for checkpoints: export the average; see --ct2-compute-type")
+    if not ct2 and args.ct2_compute_type != 'default':
+        p.error("--ct2-compute-type is for a CTranslate2 export (export_ct2.py)")
+    args.device = args.device or (CT2Model.default_device() if ct2 else
+                                  'cuda' if torch.cuda.is_available() else 'cpu')
+    if args.device.startswith('cuda') and not ct2 and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no GPU available")
     interactive = args.input is None and sys.stdin.isatty()
     lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
@@ -282,7 +415,9 @@ def main(argv=None):
     if refs is not None and lines is not None and len(refs) != len(lines):
         fail(f"{args.ref} has {len(refs)} lines but {args.input or '<stdin>'} has {len(lines)}")
 
-    if args.average_last:
+    if ct2:
+        model, enc = load_ct2(args.ckpt, args.device, args.ct2_compute_type)
+    elif args.average_last:
         paths = newest_checkpoints(args.ckpt, args.average_last)
         warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
         model, enc, ckpt = load_checkpoint(paths[-1], args.device, average_checkpoints(paths))
@@ -292,7 +427,7 @@ def main(argv=None):
                          'averaged': [os.path.basename(q) for q in paths]}, args.save_average)
     else:
         model, enc, ckpt = load_checkpoint(args.ckpt, args.device)
-    dtype = getattr(torch, args.dtype or ('bfloat16' if args.device.startswith('cuda') else 'float32'))
+    dtype = None if ct2 else getattr(torch, args.dtype or ('bfloat16' if args.device.startswith('cuda') else 'float32'))
     opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                 max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype)
     if args.output:
@@ -327,7 +462,8 @@ def main(argv=None):
     if out is not sys.stdout:
         out.close()
     print(f"translate.py: {stats['sentences']} sentences in {dt:.1f}s: {stats['sentences'] / dt:.1f} "
-          f"sentences/s, {stats['tgt_tokens'] / dt:.0f} target tokens/s ({args.device}, {dtype})", file=sys.stderr)
+          f"sentences/s, {stats['tgt_tokens'] / dt:.0f} target tokens/s ({args.device}, "
+          f"{f'CTranslate2 {model.compute_type}' if ct2 else dtype})", file=sys.stderr)
     if refs is not None:
         for name, metric in (('sacreBLEU', BLEU()), ('chrF', CHRF())):
             print(f"{name}: {metric.corpus_score(hyps, [refs])}  ({metric.get_signature()})", file=sys.stderr)

@@ -1,0 +1,165 @@
+"""
+Export a checkpoint to a CTranslate2 model directory, for fast CPU/GPU serving (int8 on CPU, float16 on GPU).
+
+    python export_ct2.py --ckpt out/multi30k_en_de/ckpt.pt --out out/multi30k_en_de/ct2 --quantization int8
+    python export_ct2.py --ckpt out/multi30k_en_de --average-last 5 --out out/multi30k_en_de/ct2_avg5
+    python translate.py --ckpt out/multi30k_en_de/ct2 --input test.en --ref test.de   # serve the export
+
+The weights go through CTranslate2's own model specification (ctranslate2.specs.TransformerSpec), as its
+fairseq and OpenNMT-py converters do; the directory holds model.bin, config.json, shared_vocabulary.json,
+and besides them tokenizer.json (data_prep's format) and export_ct2.json (our Config, the source
+checkpoints, the quantization), so that translate.py applies the same rules as with the checkpoint.
+
+Vocabulary: a token's string is its id in decimal ("0", "1", ...), except the specials, which keep their
+names ("<pad>", "<s>", "</s>"); ids past the tokenizer's (vocab_size padded for speed) are numbered too.
+To call CTranslate2 directly: tokens = [str(i) for i in enc.encode_ordinary(text)]; the export appends
+"</s>" to the source itself (add_source_eos, as the fairseq converter sets) and starts the decoder with
+"<s>". The byte-level BPE has no unknown token, so "<pad>" stands in as unk_token (else CTranslate2 would
+append an "<unk>" entry that has no embedding row).
+
+As CTranslate2's converters, an existing --out is refused without --force; with --force it is replaced,
+but only if it is an earlier export (never, say, a training folder). The export is written into a
+sibling temporary directory and renamed into place, so a half-written export never looks finished.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+
+import ctranslate2
+from ctranslate2.specs import common_spec
+from ctranslate2.specs import model_spec
+from ctranslate2.specs import transformer_spec
+
+import data_prep
+import translate as T
+
+def array(t):
+    # A copy: quantization scales the arrays in place, and a view would scale the caller's model too.
+    return t.detach().float().cpu().numpy().copy()
+
+
+def set_linear(spec, linear):
+    spec.weight, spec.bias = array(linear.weight), array(linear.bias)
+
+
+def set_norm(spec, norm):
+    spec.gamma, spec.beta = array(norm.weight), array(norm.bias)
+
+
+def set_inputs(spec, model):
+    # CTranslate2 generates its sinusoids as [sin | cos] halves from position 1; ours interleave sin and
+    # cos from position 0 (section 3.5), so the table goes in as explicit encodings.
+    emb = spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings
+    emb.weight = array(model.embed.weight)
+    spec.scale_embeddings = True  # x sqrt(d_model), section 3.4
+    spec.position_encodings.encodings = array(model.pe)
+
+
+def build_spec(model):
+    cfg = model.cfg
+    # Post-norm: from_config then has no final LayerNorm, just as our enc_norm/dec_norm are Identity.
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.n_enc_layers, cfg.n_dec_layers), cfg.n_heads, pre_norm=cfg.pre_norm,
+        activation=common_spec.Activation.RELU)
+    enc, dec = spec.encoder, spec.decoder
+    set_inputs(enc, model)
+    set_inputs(dec, model)
+    # The output projection is the embedding matrix (section 3.4), without bias; CTranslate2 stores the
+    # two once, as an alias, when it finds them equal.
+    dec.projection.weight = array(model.embed.weight)
+    if cfg.pre_norm:
+        set_norm(enc.layer_norm, model.enc_norm)
+        set_norm(dec.layer_norm, model.dec_norm)
+    for s, layer in zip(enc.layer, model.encoder):
+        # qkv_proj's rows are [Q; K; V], the order of CTranslate2's fused self-attention linear[0].
+        set_linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)
+        set_linear(s.self_attention.linear[1], layer.self_attn.out_proj)
+        set_norm(s.self_attention.layer_norm, layer.norm1)
+        set_linear(s.ffn.linear_0, layer.ffn.w1)
+        set_linear(s.ffn.linear_1, layer.ffn.w2)
+        set_norm(s.ffn.layer_norm, layer.norm2)
+    for s, layer in zip(dec.layer, model.decoder):
+        set_linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)
+        set_linear(s.self_attention.linear[1], layer.self_attn.out_proj)
+        set_norm(s.self_attention.layer_norm, layer.norm1)
+        set_linear(s.attention.linear[0], layer.cross_attn.q_proj)
+        set_linear(s.attention.linear[1], layer.cross_attn.kv_proj)  # rows [K; V], as CTranslate2's
+        set_linear(s.attention.linear[2], layer.cross_attn.out_proj)
+        set_norm(s.attention.layer_norm, layer.norm2)
+        set_linear(s.ffn.linear_0, layer.ffn.w1)
+        set_linear(s.ffn.linear_1, layer.ffn.w2)
+        set_norm(s.ffn.layer_norm, layer.norm3)
+    names = {cfg.pad_id: '<pad>', cfg.bos_id: '<s>', cfg.eos_id: '</s>'}
+    vocab = [names.get(i, str(i)) for i in range(cfg.vocab_size)]
+    spec.register_source_vocabulary(vocab)
+    spec.register_target_vocabulary(vocab)  # identical lists: saved once, as shared_vocabulary.json
+    c = spec.config
+    c.unk_token, c.bos_token, c.eos_token, c.decoder_start_token = '<pad>', '<s>', '</s>', '<s>'
+    c.add_source_eos = True
+    c.layer_norm_epsilon = 1e-5  # nn.LayerNorm's; CTranslate2 would otherwise guess from the model kind
+    return spec
+
+
+def export(model, tokenizer, out, quantization='none', force=False, info=None):
+    """Writes the CTranslate2 export of model (a model.Transformer) to the directory out."""
+    out = os.path.normpath(out)
+    if os.path.lexists(out):
+        if not force:
+            T.fail(f"{out} already exists; use --force to replace it")
+        if not os.path.isfile(os.path.join(out, T.CT2_MARKER)):
+            T.fail(f"{out} exists and is not an export of export_ct2.py; not replacing it")
+    spec = build_spec(model)
+    spec.validate()
+    spec.optimize(quantization=None if quantization == 'none' else quantization)
+    tmp, old = f"{out}.tmp-{os.getpid()}", f"{out}.old-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        spec.save(tmp)
+        with open(os.path.join(tmp, 'tokenizer.json'), 'w', encoding='utf-8') as f:
+            json.dump(tokenizer, f)
+        with open(os.path.join(tmp, T.CT2_MARKER), 'w', encoding='utf-8') as f:
+            json.dump({'format': 1, 'model_cfg': dataclasses.asdict(model.cfg), 'quantization': quantization,
+                       'ctranslate2': ctranslate2.__version__, **(info or {})}, f, indent=1)
+        if os.path.lexists(out):  # the old export is moved aside only once the new one is complete
+            os.rename(out, old)
+        os.rename(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            T.fail(f"cannot write {out}: {e.strerror or e}")
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Export a checkpoint to a CTranslate2 model directory.")
+    p.add_argument('--ckpt', required=True, help="checkpoint file (with --average-last, a file or folder)")
+    p.add_argument('--out', required=True, help="the CTranslate2 model directory to write")
+    p.add_argument('--quantization', default='none', choices=['none', *model_spec.ACCEPTED_MODEL_TYPES],
+                   help="weight type: int8 for CPU, float16 for GPU; none keeps float32")
+    p.add_argument('--average-last', type=int, default=0, help="export the average of the newest N ckpt_STEP.pt")
+    p.add_argument('--force', action='store_true', help="replace --out if it holds an earlier export")
+    args = p.parse_args(argv)
+    if args.average_last:
+        paths = T.newest_checkpoints(args.ckpt, args.average_last)
+        model, _, ckpt = T.load_checkpoint(paths[-1], 'cpu', T.average_checkpoints(paths))
+    else:
+        paths = [args.ckpt]
+        model, _, ckpt = T.load_checkpoint(args.ckpt, 'cpu')
+    tok = ckpt['tokenizer']
+    if not isinstance(tok, dict):  # a path, as load_checkpoint allows (it has just loaded, so it resolves)
+        tok = tok if os.path.exists(tok) else os.path.join(os.path.dirname(paths[-1]), tok)
+        tok = data_prep.tokenizer_dict(tok) if os.path.isdir(tok) else json.load(open(tok, encoding='utf-8'))
+    info = {'checkpoints': [os.path.abspath(q) for q in paths], 'step': ckpt.get('step')}
+    out = export(model, tok, args.out, args.quantization, args.force, info)
+    print(f"export_ct2.py: wrote {out} ({args.quantization}, {model.num_params() / 1e6:.1f}M parameters, "
+          f"from {', '.join(os.path.basename(q) for q in paths)})", file=sys.stderr)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,140 @@
+"""
+Tests for export_ct2.py and translate.py's CTranslate2 path. test_translate.py's tiny word-reversal model is
+trained pre-norm and post-norm, exported, and CTranslate2's output is held against model.py's own.
+"""
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import translate as T
+from test_translate import ENV, HERE, WORDS, reverse, sentence, train_reversal
+
+ctranslate2 = pytest.importorskip('ctranslate2')
+import export_ct2 as E  # noqa: E402  (needs ctranslate2)
+
+
+@pytest.fixture(scope='module')
+def toys(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    for pre_norm in (True, False):
+        model, d, enc, cfg = train_reversal(steps=200, pre_norm=pre_norm)
+        folder = tmp_path_factory.mktemp('pre' if pre_norm else 'post')
+        torch.save({'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 200},
+                   folder / 'ckpt.pt')
+        E.main(['--ckpt', str(folder / 'ckpt.pt'), '--out', str(folder / 'ct2')])
+        out[pre_norm] = dict(folder=folder, model=model, enc=enc, d=d, ct2=str(folder / 'ct2'))
+    # Lengths out of order, so batches are length-sorted and put back.
+    lines = [sentence(random.Random(i)) for i in range(32)]
+    yield out, lines
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize('pre_norm', [True, False], ids=['pre_norm', 'post_norm'])
+def test_float32_export_decodes_as_model_py(toys, pre_norm):
+    toy, lines = toys[0][pre_norm], toys[1]
+    model, enc = toy['model'], toy['enc']
+    ct2, ct2_enc = T.load_ct2(toy['ct2'])
+    assert isinstance(ct2, T.CT2Model) and ct2.cfg == model.cfg
+
+    def both(**kw):
+        return [list(T.translate_lines(m, enc, lines, max_tokens=60, **kw)) for m in (model, ct2)]
+
+    ours, theirs = both(greedy=True)
+    assert sum(h == reverse(s) for h, s in zip(ours, lines)) >= 0.8 * len(lines)  # learnt: outputs differ
+    assert theirs == ours
+    # Caps of a * |src| + b that cut most outputs short, a different cap per sentence within a batch.
+    ours, theirs = both(greedy=True, max_len_a=0.5, max_len_b=1)
+    assert theirs == ours and sum(len(h.split()) < len(s.split()) for h, s in zip(ours, lines)) > len(lines) / 2
+    # Beam search stops by another rule (see CT2Model), so only mostly the same; scores are model.py's.
+    ours, theirs = both(nbest=2)
+    assert sum(a[0][1] == b[0][1] for a, b in zip(ours, theirs)) >= 0.9 * len(lines)
+    for a, b in zip(ours, theirs):
+        if a[0][1] == b[0][1]:
+            assert b[0][0] == pytest.approx(a[0][0], abs=5e-3)
+
+
+def test_int8_export_translates_nearly_as_float32(toys, tmp_path):
+    toy, lines = toys[0][True], toys[1]
+    E.main(['--ckpt', str(toy['folder'] / 'ckpt.pt'), '--out', str(tmp_path / 'int8'), '--quantization', 'int8'])
+    info = json.loads((tmp_path / 'int8' / T.CT2_MARKER).read_text())
+    assert info['quantization'] == 'int8' and info['model_cfg'] == asdict(toy['model'].cfg)
+    ct2, enc = T.load_ct2(str(tmp_path / 'int8'))
+    assert ct2.compute_type.startswith('int8')
+    assert (tmp_path / 'int8' / 'model.bin').stat().st_size < 0.5 * (toy['folder'] / 'ct2' / 'model.bin').stat().st_size
+    fp32 = list(T.translate_lines(toy['model'], enc, lines))
+    int8 = list(T.translate_lines(ct2, enc, lines))
+    assert sum(a == b for a, b in zip(fp32, int8)) >= 0.75 * len(lines)
+
+
+def test_an_existing_out_is_refused_without_force_and_replaced_whole_with_it(toys, tmp_path):
+    toy = toys[0][False]
+    ckpt, out = str(toy['folder'] / 'ckpt.pt'), tmp_path / 'ct2'
+    E.main(['--ckpt', ckpt, '--out', str(out)])
+    (out / 'stale').write_text('from the old export')
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', ckpt, '--out', str(out), '--quantization', 'int8'])
+    assert str(out) in str(e.value) and '--force' in str(e.value)
+    assert json.loads((out / T.CT2_MARKER).read_text())['quantization'] == 'none'
+    E.main(['--ckpt', ckpt, '--out', str(out), '--quantization', 'int8', '--force'])
+    assert json.loads((out / T.CT2_MARKER).read_text())['quantization'] == 'int8'
+    assert not (out / 'stale').exists() and sorted(os.listdir(tmp_path)) == ['ct2']  # nothing left over
+    # --force replaces an export, never another folder (here: a training folder).
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', ckpt, '--out', str(toy['folder']), '--force'])
+    assert 'not an export' in str(e.value) and (toy['folder'] / 'ckpt.pt').exists()
+
+
+def test_export_of_averaged_checkpoints_equals_export_of_the_average(toys, tmp_path):
+    toy = toys[0][False]
+    base = torch.load(toy['folder'] / 'ckpt.pt', weights_only=True)
+    for step, shift in ((10, 0.01), (20, -0.01)):
+        torch.save({**base, 'model': {k: v + shift for k, v in base['model'].items()}, 'step': step},
+                   tmp_path / f'ckpt_{step}.pt')
+    E.main(['--ckpt', str(tmp_path), '--average-last', '2', '--out', str(tmp_path / 'avg')])
+    info = json.loads((tmp_path / 'avg' / T.CT2_MARKER).read_text())
+    assert [os.path.basename(p) for p in info['checkpoints']] == ['ckpt_10.pt', 'ckpt_20.pt'] and info['step'] == 20
+    lines = toys[1][:8]
+    ct2, enc = T.load_ct2(str(tmp_path / 'avg'))
+    assert list(T.translate_lines(ct2, enc, lines, greedy=True)) == list(
+        T.translate_lines(toy['model'], enc, lines, greedy=True))  # the shifts cancel (up to rounding)
+
+
+def test_translate_cli_serves_an_export_with_the_same_line_rules_and_scores(toys, tmp_path):
+    toy, lines = toys[0][True], toys[1]
+    long_line = ' '.join(WORDS * 4)  # longer than max_len 80 leaves room for: truncated, with a warning
+    src = tmp_path / 'src'
+    src.write_text('\n'.join(lines[:6] + ['', long_line] + lines[6:]) + '\n')
+    ref = tmp_path / 'ref'
+    T.main(['--ckpt', str(toy['folder'] / 'ckpt.pt'), '--greedy', '--input', str(src), '--output', str(ref)])
+    r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ct2'], '--greedy',
+                        '--input', str(src), '--output', str(tmp_path / 'hyp'), '--ref', str(ref)],
+                       capture_output=True, env=ENV, cwd=HERE, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert (tmp_path / 'hyp').read_text() == ref.read_text()  # line for line, the empty one too
+    assert 'line 8:' in err and 'truncated' in err and 'CTranslate2 float32' in err
+    assert 'sacreBLEU: BLEU = 100.00' in err and 'chrF2 = 100.00' in err
+
+
+def test_bad_exports_and_options_are_one_line_errors(toys, tmp_path):
+    toy = toys[0][False]
+    broken = tmp_path / 'broken'
+    E.main(['--ckpt', str(toy['folder'] / 'ckpt.pt'), '--out', str(broken)])
+    (broken / 'model.bin').write_bytes(b'not a model')
+    with pytest.raises(SystemExit) as e:
+        T.load_ct2(str(broken))
+    assert str(broken) in str(e.value) and '\n' not in str(e.value)
+    r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ct2'], '--dtype',
+                        'bfloat16'], capture_output=True, env=ENV, cwd=HERE, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and b'--ct2-compute-type' in r.stderr and b'Traceback' not in r.stderr
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', str(tmp_path / 'missing.pt'), '--out', str(tmp_path / 'x')])
+    assert 'missing.pt' in str(e.value) and not (tmp_path / 'x').exists()

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import resource
+import tempfile
 import time
 import warnings
 from dataclasses import asdict
@@ -234,25 +235,50 @@ def greedy_recompute(model, src, max_len_a=1.0, max_len_b=0):
     return [[(row[:row.index(cfg.eos_id)] if cfg.eos_id in row else row, 0.0)] for row in tokens[:, 1:].tolist()]
 
 
-def bench_decode(cfg, src, dtype, beam, device):
-    # An untrained model almost never emits EOS, so each output runs to its length limit; the limit is
-    # set to the source length (max_len_a=1, max_len_b=0), about what a trained model produces.
+def ct2_runs(model, src, beam, out_len, device):
+    """The same weights exported to CTranslate2 (export_ct2.export), greedy and beam, float32 and int8
+    (float16 and int8_float16 on a GPU); [] when ctranslate2 is not installed."""
+    try:
+        import ctranslate2
+        import export_ct2
+    except ImportError:
+        return []
+    tmp = tempfile.TemporaryDirectory()  # a Translator holds its model in memory once loaded
+    cfg, runs = model.cfg, []
+    rows = [[str(t) for t in row if t != cfg.pad_id][:-1] for row in src.tolist()]  # the export adds EOS
+    for quantization in (('float16', 'int8_float16') if device.type == 'cuda' else ('float32', 'int8')):
+        path = export_ct2.export(model, {}, os.path.join(tmp.name, quantization), quantization)
+        tr = ctranslate2.Translator(path, device=device.type, compute_type=quantization,
+                                    intra_threads=torch.get_num_threads() if device.type == 'cpu' else 0)
+        for name, k in (('greedy', 1), (f'beam {beam}', beam)):
+            def run(tr=tr, k=k):
+                res = tr.translate_batch(rows, beam_size=k, length_penalty=0.6 if k > 1 else 0,
+                                         max_decoding_length=out_len, max_input_length=0)
+                return [[([0] * len(r.hypotheses[0]), 0.0)] for r in res]
+            runs.append((name, f'CT2 {quantization}', run))
+    tmp.cleanup()
+    return runs
+
+
+def bench_decode(cfg, src, dtype, beam, device, out_len):
+    # An untrained model almost never emits EOS, so every output runs to its cap of out_len tokens and
+    # EOS: each implementation does the same work, the per-step cost of decoding.
     torch.manual_seed(0)
     model = M.Transformer(cfg).to(device).eval()
-    runs = [('greedy', 'KV cache', lambda: M.greedy_decode(model, src, 1.0, 0)),
-            ('greedy', 'recompute', lambda: greedy_recompute(model, src, 1.0, 0)),
-            (f'beam {beam}', 'KV cache', lambda: M.beam_search(model, src, beam, 0.6, 1.0, 0))]
+    runs = [('greedy', 'model.py', lambda: M.greedy_decode(model, src, 0.0, out_len + 1)),
+            ('greedy', 'recompute', lambda: greedy_recompute(model, src, 0.0, out_len + 1)),
+            (f'beam {beam}', 'model.py', lambda: M.beam_search(model, src, beam, 0.6, 0.0, out_len + 1))]
     rows = []
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        runs[0][2]()  # warm-up
-        for name, how, fn in runs:
+        for name, how, fn in runs + ct2_runs(model, src, beam, out_len, device):
+            fn()  # warm-up: allocator, thread pools
             sync(device)
             t = time.perf_counter()
             out = fn()
             sync(device)
             dt = time.perf_counter() - t
-            n_tok = sum(len(hyps[0][0]) + 1 for hyps in out)  # generated tokens, EOS included
-            rows.append(dict(search=name, cache=how, sents_per_s=len(out) / dt, tgt_tokens_per_s=n_tok / dt))
+            n_tok = sum(len(hyps[0][0]) for hyps in out)  # generated tokens, EOS not counted
+            rows.append(dict(search=name, impl=how, sents_per_s=len(out) / dt, tgt_tokens_per_s=n_tok / dt))
     return rows
 
 
@@ -277,7 +303,8 @@ def parse_args(argv=None):
     p.add_argument('--compile', choices=['auto', 'on', 'off'], default='auto', help='auto: on CUDA or tiny/small')
     p.add_argument('--warmup', type=int, default=2, help='untimed steps per row (compilation happens here)')
     p.add_argument('--steps', type=int, default=5, help='timed training steps per row')
-    p.add_argument('--decode-sents', type=int, default=32)
+    p.add_argument('--decode-sents', type=int, default=64, help='decoded at once, each of 24 source tokens')
+    p.add_argument('--decode-len', type=int, default=20, help='output tokens per sentence (then EOS)')
     p.add_argument('--beam', type=int, default=4)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json', action='store_true', help='print one JSON record instead of tables')
@@ -304,10 +331,10 @@ def main(argv=None):
         pairs = real_pairs(args.data, n_pool, rng, cfg.max_len - 2)
         meta = json.load(open(os.path.join(args.data, 'meta.json')))
         cfg = M.Config(**{**asdict(cfg), **{k: meta[k] for k in ('vocab_size', 'pad_id', 'bos_id', 'eos_id')}})
-        dec_pairs = [pairs[i] for i in rng.choice(len(pairs), args.decode_sents)]
     else:
         pairs = synthetic_pairs(n_pool, cfg.vocab_size, rng)
-        dec_pairs = synthetic_pairs(args.decode_sents, cfg.vocab_size, rng)
+    dec_src = torch.from_numpy(np.append(rng.integers(3, cfg.vocab_size, (args.decode_sents, 24)),
+                                         np.full((args.decode_sents, 1), cfg.eos_id), 1)).to(device)
     batches = make_batches(pairs, args.batch_tokens, cfg, rng, n_batches, device)
     if len(batches) < n_batches:
         raise SystemExit(f'only {len(batches)} batches of {args.batch_tokens} tokens; lower --batch-tokens')
@@ -334,7 +361,7 @@ def main(argv=None):
         ratios[f'compile/eager (ours {dtype_name})'] = (speed('ours', 'compile', dtype_name)
                                                        / speed('ours', 'eager', dtype_name))
 
-    decode = bench_decode(cfg, collate(dec_pairs, cfg, device)['src'], dtype, args.beam, device)
+    decode = bench_decode(cfg, dec_src, dtype, args.beam, device, args.decode_len)
     timed = batches[args.warmup:]
     record = dict(
         device=torch.cuda.get_device_name() if gpu else cpu_name(), device_type=device.type, torch=torch.__version__,
@@ -345,7 +372,8 @@ def main(argv=None):
         real_token_fraction=(sum(b['n_src'] + b['n_tgt'] for b in timed)
                              / sum(b['src'].numel() + b['tgt_in'].numel() for b in timed)),
         peak_source=peak_name, peak_flops=peaks, train=train, ratios=ratios, decode=decode,
-        kv_cache_speedup=decode[0]['sents_per_s'] / decode[1]['sents_per_s'], decode_sentences=len(dec_pairs),
+        kv_cache_speedup=decode[0]['sents_per_s'] / decode[1]['sents_per_s'], decode_sentences=len(dec_src),
+        decode_len=args.decode_len,
         decode_dtype=dtype_name, elapsed_s=time.perf_counter() - t_start)
     if args.json:
         print(json.dumps(record))
@@ -378,12 +406,14 @@ def report(r):
     print(f"x ref = tokens/s relative to the first row; warmup s includes compilation; "
           f"peak MiB = {r['train'][0]['mem_kind']}")
     print('ratios: ' + ', '.join(f'{k} {v:.2f}x' for k, v in r['ratios'].items()))
-    print(f"\nDecoding {r['decode_sentences']} sentences in one batch ({r['decode_dtype']}, "
-          f"output length = source length)")
-    hdr = f"{'search':<10}{'cache':<12}{'sent/s':>9}{'tgt tok/s':>11}"
+    print(f"\nDecoding {r['decode_sentences']} sentences of 24 tokens in one batch, {r['decode_len']} output tokens "
+          f"each, the same random weights ({r['decode_dtype']} for model.py; CT2 = CTranslate2 export_ct2.py)")
+    hdr = f"{'search':<10}{'implementation':<20}{'sent/s':>9}{'tgt tok/s':>11}{'vs model.py':>13}"
     print(hdr + '\n' + '-' * len(hdr))
+    ours = {d['search']: d['sents_per_s'] for d in r['decode'] if d['impl'] == 'model.py'}
     for d in r['decode']:
-        print(f"{d['search']:<10}{d['cache']:<12}{d['sents_per_s']:>9.1f}{d['tgt_tokens_per_s']:>11.0f}")
+        print(f"{d['search']:<10}{d['impl']:<20}{d['sents_per_s']:>9.1f}{d['tgt_tokens_per_s']:>11.0f}"
+              f"{d['sents_per_s'] / ours[d['search']]:>12.2f}x")
     print(f"KV cache speed-up (greedy): {r['kv_cache_speedup']:.2f}x\ntotal {r['elapsed_s']:.0f} s")
 
 

@@ -36,6 +36,7 @@ from ctranslate2.specs import transformer_spec
 import data_prep
 import translate as T
 
+
 def array(t):
     # A copy: quantization scales the arrays in place, and a view would scale the caller's model too.
     return t.detach().float().cpu().numpy().copy()

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import os
 import subprocess
@@ -113,8 +114,11 @@ def test_end_to_end_json():
         for k in ('step_ms', 'tokens_per_s', 'tgt_tokens_per_s', 'flops_per_s', 'mfu', 'peak_mem_bytes'):
             assert t[k] > 0, k
         assert t['tokens_per_s'] > t['tgt_tokens_per_s']
-    assert [(d['search'], d['cache']) for d in r['decode']] == [
-        ('greedy', 'KV cache'), ('greedy', 'recompute'), ('beam 4', 'KV cache')]
+    assert [(d['search'], d['impl']) for d in r['decode']][:3] == [
+        ('greedy', 'model.py'), ('greedy', 'recompute'), ('beam 4', 'model.py')]
+    if importlib.util.find_spec('ctranslate2'):  # the same weights through CTranslate2, side by side
+        assert [(d['search'], d['impl']) for d in r['decode']][3:] == [
+            ('greedy', 'CT2 float32'), ('beam 4', 'CT2 float32'), ('greedy', 'CT2 int8'), ('beam 4', 'CT2 int8')]
     assert all(d['sents_per_s'] > 0 and d['tgt_tokens_per_s'] > 0 for d in r['decode'])
     assert all(v > 0 for v in r['peak_flops'].values()) and all(v > 0 for v in r['ratios'].values())
     assert 'ours/built-in float32' in r['ratios']

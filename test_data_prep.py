@@ -1,6 +1,15 @@
 """Tests of data_prep.py; no internet: a throwaway HTTP server on 127.0.0.1 plays statmt.org / GitHub.
     python -m pytest -q test_data_prep.py"""
-import gzip, io, json, os, random, re, subprocess, sys, tarfile, threading
+import gzip
+import io
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tarfile
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np

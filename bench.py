@@ -74,10 +74,13 @@ def synthetic_pairs(n, vocab, rng, median=25, cap=250):
 
 
 def real_pairs(data_dir, n, rng, cap):
+    """n training pairs drawn from a prepared folder, and its meta.json (vocabulary and special ids)."""
     src_tok, src_idx, tgt_tok, tgt_idx = data_prep.load_split(data_dir, 'train')
     pick = rng.choice(len(src_idx) - 1, size=n)
     get = lambda tok, idx, i: np.asarray(tok[idx[i]:idx[i + 1]][:cap], dtype=np.int64)
-    return [(get(src_tok, src_idx, i), get(tgt_tok, tgt_idx, i)) for i in pick]
+    with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
+        meta = json.load(f)
+    return [(get(src_tok, src_idx, i), get(tgt_tok, tgt_idx, i)) for i in pick], meta
 
 
 def make_batches(pairs, batch_tokens, cfg, rng, n_batches, device):
@@ -328,8 +331,7 @@ def main(argv=None):
     cfg = M.preset(args.config) if args.config in M.PRESETS else M.Config(**CONFIGS[args.config])
     n_batches, n_pool = args.warmup + args.steps, 40 * args.batch_tokens // 25  # ~40 batches to draw from
     if args.data:
-        pairs = real_pairs(args.data, n_pool, rng, cfg.max_len - 2)
-        meta = json.load(open(os.path.join(args.data, 'meta.json')))
+        pairs, meta = real_pairs(args.data, n_pool, rng, cfg.max_len - 2)
         cfg = M.Config(**{**asdict(cfg), **{k: meta[k] for k in ('vocab_size', 'pad_id', 'bos_id', 'eos_id')}})
     else:
         pairs = synthetic_pairs(n_pool, cfg.vocab_size, rng)

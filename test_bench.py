@@ -132,8 +132,8 @@ def test_real_data_batches(tmp_path):
         np.cumsum([0] + [len(s) for s in sents]).astype(np.int64).tofile(tmp_path / f'train.{code}.idx')
     meta = dict(name='toy', src='de', tgt='en', vocab_size=20, pad_id=0, bos_id=1, eos_id=2, dtype='uint16')
     (tmp_path / 'meta.json').write_text(json.dumps(meta))
-    pairs = bench.real_pairs(str(tmp_path), 50, np.random.default_rng(0), cap=100)
-    assert len(pairs) == 50
+    pairs, got = bench.real_pairs(str(tmp_path), 50, np.random.default_rng(0), cap=100)
+    assert got['vocab_size'] == 20 and len(pairs) == 50
     assert {(tuple(s), tuple(t)) for s, t in pairs} == {(tuple(s), tuple(t)) for s, t in zip(src_sents, tgt_sents)}
     cfg = M.Config(**{**bench.CONFIGS['tiny'], 'vocab_size': 20})
     (b,) = bench.make_batches(pairs[:3], 1000, cfg, np.random.default_rng(0), 1, 'cpu')

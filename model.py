@@ -307,11 +307,16 @@ def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
 def candidates(alive, logp, at_limit, k, eos_id):
     """The 2k best (beam, token) continuations of each sentence by log-probability so far: 2k so that
     k are left when up to k of them end in EOS. At the length limit only EOS may follow."""
-    B, V = alive.size(0), logp.size(-1)
-    cand = alive[:, :, None] + logp.view(B, k, V)
-    cand.masked_fill_(at_limit[:, None, None] & (torch.arange(V, device=cand.device) != eos_id), -math.inf)
-    top, idx = cand.view(B, -1).topk(2 * k, dim=1)
-    return top, idx // V, idx % V  # scores, the beam each extends, the token
+    B, n = alive.size(0), min(2 * k, logp.size(-1))
+    # A beam's own n best tokens hold all it can add to its sentence's 2k best (alive is a constant per
+    # beam), so the sort over k x V shrinks to one over k x n and no (B*k, V) sum is written.
+    lp, tok = logp.topk(n, dim=1)
+    if at_limit.any():
+        ended = at_limit.repeat_interleave(k)
+        lp[ended], tok[ended] = -math.inf, eos_id
+        lp[ended, 0] = logp[ended, eos_id]
+    top, idx = (alive[:, :, None] + lp.view(B, k, n)).view(B, -1).topk(2 * k, dim=1)
+    return top, idx // n, tok.view(B, -1).gather(1, idx)  # scores, the beam each extends, the token
 
 
 def finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, eos_id):
@@ -336,18 +341,18 @@ def keep_alive(top, src_beam, tok, tokens, eos_id):
     return alive, torch.cat([tokens[beam_idx], tok.gather(1, order).view(-1, 1)], 1), beam_idx
 
 
-def can_stop(fin_scores, alive, limit, t, alpha):
-    """A sentence is done when its k-th finished score beats the best its best live beam can still reach
-    (tensor2tensor's rule: log-probabilities only fall, so that is its current log-probability under the
-    largest length penalty it can reach), or at its length limit."""
-    return (fin_scores[:, -1] >= alive[:, 0] / length_penalty(limit.float(), alpha)) | (t + 1 >= limit)
+def can_stop(fin_scores, alive, limit, t, alpha, nbest):
+    """A sentence is done when its nbest-th finished score beats the best its best live beam can still
+    reach (tensor2tensor's rule for the hypotheses returned: log-probabilities only fall, so that is its
+    current log-probability under the largest length penalty it can reach), or at its length limit."""
+    return (fin_scores[:, nbest - 1] >= alive[:, 0] / length_penalty(limit.float(), alpha)) | (t + 1 >= limit)
 
 
 @torch.no_grad()
 def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbest=1):
     """Batched over sentences x beams. Returns, for each sentence, the nbest [(tokens, score)]
-    sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. Finished hypotheses are kept until no
-    live beam can beat them (can_stop), not dropped at the first k."""
+    sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. A sentence decodes until no live beam
+    can enter its nbest (can_stop), not until the first k hypotheses finish."""
     cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
     memory, src_mask = model.encode(src)
     memory, src_mask = memory.repeat_interleave(k, 0), src_mask.repeat_interleave(k, 0)
@@ -366,7 +371,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
         fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
         alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
         reorder_cache(cache, beam_idx)
-        done = can_stop(fin_scores, alive, limit, t, alpha)
+        done = can_stop(fin_scores, alive, limit, t, alpha, nbest)
         if done.any():
             out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
             keep = (~done).nonzero().squeeze(1)

@@ -200,6 +200,41 @@ class Scripted(torch.nn.Module):
         return logp[:, None, :]
 
 
+def test_candidates_match_a_sort_over_every_beam_and_token():
+    torch.manual_seed(1)
+    B, k, V = 3, 4, 30
+    alive = torch.randn(B, k)
+    alive[0, 1:] = -math.inf  # a first step: one live beam
+    logp = F.log_softmax(torch.randn(B * k, V), -1)
+    at_limit = torch.tensor([False, True, False])
+    top, beam, tok = M.candidates(alive, logp, at_limit, k, EOS)
+    full = (alive[:, :, None] + logp.view(B, k, V)).clone()
+    full[1, :, [t for t in range(V) if t != EOS]] = -math.inf
+    want, idx = full.view(B, -1).topk(2 * k, dim=1)
+    torch.testing.assert_close(top, want)
+    finite = want > -math.inf
+    assert torch.equal(beam[finite], (idx // V)[finite]) and torch.equal(tok[finite], (idx % V)[finite])
+
+
+def test_stopping_early_never_changes_the_nbest(monkeypatch):
+    # can_stop ends a sentence once no live beam can enter its nbest: decoding on to the length limit
+    # must return the same nbest hypotheses and scores.
+    m = tiny(vocab=12)
+    torch.manual_seed(2)
+    src = pad_batch([torch.randint(3, 12, (n,)).tolist() + [EOS] for n in (1, 3, 4, 6, 2, 5, 7, 3)])
+    for alpha in (0.0, 0.6, 1.0):
+        early = {n: M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=n) for n in (1, 4)}
+        with monkeypatch.context() as mp:
+            mp.setattr(M, 'can_stop', lambda fin, alive, limit, t, alpha, nbest: t + 1 >= limit)
+            full = M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=4)
+        for n in (1, 4):  # scores to float precision: the batch shrinks at other steps
+            assert [[h for h, _ in hyps[:n]] for hyps in full] == [[h for h, _ in hyps] for hyps in early[n]]
+            assert [s for hyps in full for _, s in hyps[:n]] == pytest.approx([s for hyps in early[n] for _, s in hyps], abs=1e-4)
+    # The first hypothesis to finish ([] at 0.4) is not the best ([3] at 0.6 x 0.9): no stop before it.
+    scripted = Scripted({(): {3: .6, EOS: .4}, (3,): {EOS: .9, 4: .1}}, {EOS: .99, 3: .005, 4: .003, 5: .002})
+    assert M.beam_search(scripted, torch.tensor([[3, EOS]]), beam=2, alpha=0.0, max_len_b=6)[0][0][0] == [3]
+
+
 def test_beam_never_keeps_an_eos_candidate_alive():
     # Step 2 ranks [3 EOS] > [3 5] > [4 EOS] > [4 5]: [4 EOS] ranks k..2k-1 for k = 2, so it must be
     # dropped, not kept alive to finish later as '[4]' with the score of a longer sequence.

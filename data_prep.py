@@ -325,6 +325,43 @@ def token_batches(sizes, order, max_tokens):
     return batches
 
 
+def pair_sizes(data):
+    """The padded tokens a pair of a split from load_split takes per side: its longer side + EOS (or BOS)."""
+    _, src_idx, _, tgt_idx = data
+    return np.maximum(np.diff(src_idx), np.diff(tgt_idx)) + 1
+
+
+def batch_plan(data, max_tokens, seed, epoch, shuffle=True):
+    """train.py's batches of one epoch, as fairseq builds them: sentences shuffled, then stably sorted by
+    length (so batches hold similar lengths and little padding), filled up to max_tokens padded tokens,
+    and the batches shuffled. The same seed and epoch give the same plan on every rank."""
+    size = pair_sizes(data)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(size)) if shuffle else np.arange(len(size))
+    order = order[np.argsort(size[order], kind='stable')]
+    order = order[size[order] <= max_tokens]  # longer pairs fit no batch (train.py reports them at start)
+    batches = token_batches(size, order, max_tokens)
+    if shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def collate(data, ids, pad_id, bos_id, eos_id):
+    """Pairs ids of a split from load_split -> int64 arrays src (+ EOS), tgt_in (BOS +) and tgt_out (+ EOS),
+    each padded to its longest row."""
+    src_tok, src_idx, tgt_tok, tgt_idx = data
+    srcs = [src_tok[src_idx[i]:src_idx[i + 1]] for i in ids]
+    tgts = [tgt_tok[tgt_idx[i]:tgt_idx[i + 1]] for i in ids]
+    src = np.full((len(ids), max(map(len, srcs)) + 1), pad_id, dtype=np.int64)
+    tgt_in = np.full((len(ids), max(map(len, tgts)) + 1), pad_id, dtype=np.int64)
+    tgt_out = tgt_in.copy()
+    for row, (s, t) in enumerate(zip(srcs, tgts)):
+        src[row, :len(s)], src[row, len(s)] = s, eos_id
+        tgt_in[row, 0], tgt_in[row, 1:len(t) + 1] = bos_id, t
+        tgt_out[row, :len(t)], tgt_out[row, len(t)] = t, eos_id
+    return src, tgt_in, tgt_out
+
+
 def clean_mask(ls, lt, max_len, max_ratio):
     """Moses' clean-corpus-n rules on token counts, checked in its order (each pair counted for its first
     failed rule): -> (keep mask, {'empty', 'too_long', 'ratio'} counts). max_len or max_ratio 0 disables a rule."""

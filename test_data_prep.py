@@ -489,3 +489,12 @@ def test_multi30k_en_de_full_preparation(tmp_path):
     ref = gzip.open(os.path.join(MULTI30K, 'test_2016_flickr.de.gz'), 'rt', encoding='utf-8').read()
     assert (out / 'test.de.txt').read_text('utf-8') == ref
     assert read_split(out, 'test', 'de') == [line.strip() for line in ref.splitlines()]
+
+
+def test_collate_puts_bos_eos_and_padding_where_the_model_expects_them():
+    data = (np.array([5, 6, 7, 8], np.uint16), np.array([0, 3, 4]), np.array([9, 10, 11], np.uint16), np.array([0, 1, 3]))
+    src, tgt_in, tgt_out = data_prep.collate(data, [1, 0], pad_id=0, bos_id=1, eos_id=2)
+    assert src.tolist() == [[8, 2, 0, 0], [5, 6, 7, 2]]
+    assert tgt_in.tolist() == [[1, 10, 11], [1, 9, 0]]
+    assert tgt_out.tolist() == [[10, 11, 2], [9, 2, 0]]
+    assert {x.dtype for x in (src, tgt_in, tgt_out)} == {np.dtype(np.int64)}

@@ -261,8 +261,10 @@ def test_inverse_sqrt_schedule():
     (['--d_model=30', '--n_heads=4'], 'd_model=30 must be a multiple of n_heads=4'),
     (['--dtype=float64'], "dtype must be 'auto'"),
 ])
-def test_bad_settings_give_clear_errors(args, message):
-    res = subprocess.run([sys.executable, 'train.py'] + args, cwd=HERE, capture_output=True, text=True)
+def test_bad_settings_give_clear_errors(args, message, tmp_path):
+    # an out_dir of its own: the default one may hold a finished run in a working checkout
+    res = subprocess.run([sys.executable, 'train.py', f'--out_dir={tmp_path}/run'] + args, cwd=HERE,
+                         capture_output=True, text=True)
     assert res.returncode != 0
     assert message in res.stderr and 'Traceback' not in res.stderr
 

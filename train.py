@@ -189,43 +189,17 @@ meta = json.load(open(os.path.join(data_dir, 'meta.json')))
 src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], meta['bos_id'], meta['eos_id']
 
 
-def pair_sizes(data):
-    _, src_idx, _, tgt_idx = data
-    return np.maximum(np.diff(src_idx), np.diff(tgt_idx)) + 1  # + EOS (or BOS): padded tokens per side
-
-
-def batch_plan(data, epoch, shuffle=True):
-    """Token-based batches as fairseq builds them: sentences shuffled, then stably sorted by length
-    (so batches hold similar lengths and little padding), filled up to max_tokens padded tokens,
-    and the batches shuffled. The same seed and epoch give the same plan on every rank."""
-    size = pair_sizes(data)
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(size)) if shuffle else np.arange(len(size))
-    order = order[np.argsort(size[order], kind='stable')]
-    order = order[size[order] <= max_tokens]  # longer pairs fit no batch (counted and reported at start)
-    batches = data_prep.token_batches(size, order, max_tokens)
-    if shuffle:
-        batches = [batches[i] for i in rng.permutation(len(batches))]
-    return batches
-
-
 def get_batch(data, ids):
-    src_tok, src_idx, tgt_tok, tgt_idx = data
-    srcs = [src_tok[src_idx[i]:src_idx[i + 1]] for i in ids]
-    tgts = [tgt_tok[tgt_idx[i]:tgt_idx[i + 1]] for i in ids]
-    src = np.full((len(ids), max(map(len, srcs)) + 1), PAD, dtype=np.int64)
-    tgt_in = np.full((len(ids), max(map(len, tgts)) + 1), PAD, dtype=np.int64)
-    tgt_out = tgt_in.copy()
-    for row, (s, t) in enumerate(zip(srcs, tgts)):
-        src[row, :len(s)], src[row, len(s)] = s, EOS
-        tgt_in[row, 0], tgt_in[row, 1:len(t) + 1] = BOS, t
-        tgt_out[row, :len(t)], tgt_out[row, len(t)] = t, EOS
-    return [torch.from_numpy(x).to(device, non_blocking=True) for x in (src, tgt_in, tgt_out)]
+    # Pinned host memory makes the copy truly asynchronous; from pageable memory CUDA first waits for
+    # the GPU queue to drain, a host sync per step.
+    pin = device_type == 'cuda'
+    return [(torch.from_numpy(x).pin_memory() if pin else torch.from_numpy(x)).to(device, non_blocking=True)
+            for x in data_prep.collate(data, ids, PAD, BOS, EOS)]
 
 
 train_data, valid_data = data_prep.load_split(data_dir, 'train'), data_prep.load_split(data_dir, 'valid')
 train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss counts
-sizes = pair_sizes(train_data)
+sizes = data_prep.pair_sizes(train_data)
 if sizes.min() > max_tokens:
     sys.exit(f"max_tokens={max_tokens} is smaller than every training pair in {data_dir}: the shortest needs "
              f"{sizes.min()} padded tokens (its longer side + EOS); raise max_tokens to at least {sizes.min()}")
@@ -325,7 +299,7 @@ def gather(obj):  # every rank's obj, in rank order
 def validation_loss():
     raw_model.eval()
     sums = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens: summed over this rank's share of batches
-    for ids in batch_plan(valid_data, 0, shuffle=False)[rank::world]:
+    for ids in data_prep.batch_plan(valid_data, max_tokens, seed, 0, shuffle=False)[rank::world]:
         src, tgt_in, tgt_out = get_batch(valid_data, ids)
         with autocast:
             sums += torch.stack([x.float() for x in M.label_smoothed_loss(raw_model(src, tgt_in), tgt_out,
@@ -392,7 +366,7 @@ logfile = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None
 log(json.dumps(config, indent=1))
 log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es) x update_freq "
     f"{update_freq} x max_tokens {max_tokens}; device {device}, {dtype}")
-plan = batch_plan(train_data, epoch)
+plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
 per_update = world * update_freq
 t_start = t_last = last_save = time.time()
 tokens_since = 0
@@ -403,7 +377,7 @@ raw_model.train()
 while step < max_steps:
     if (batch_idx + 1) * per_update > len(plan):  # the epoch's last few batches do not fill an update
         epoch, batch_idx = epoch + 1, 0
-        plan = batch_plan(train_data, epoch)
+        plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
         if per_update > len(plan):
             sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, fewer than the "
                      f"{per_update} an update needs ({world} process(es) x update_freq {update_freq}): lower max_tokens")

@@ -1,0 +1,192 @@
+"""
+The WMT-scale rehearsal (README, Scale): WMT14 cannot be downloaded here, but its size can be rehearsed.
+
+    python scale.py corpus --pairs 4500000 --out data/fake_wmt_4.5M   # train/valid/test .en/.de.gz
+    python data_prep.py custom --train data/fake_wmt_4.5M/train --valid data/fake_wmt_4.5M/valid \\
+        --test data/fake_wmt_4.5M/test --src en --tgt de --vocab-size 37000 --out data/fake_wmt_4.5M_bpe
+    python scale.py loader --data data/fake_wmt_4.5M_bpe        # batch plan and batch building, as train.py
+    python scale.py checkpoints                                  # write / average time and size, base and big
+
+`corpus` recombines Multi30k sentences into WMT-like pairs: 1 to 3 consecutive-in-the-shuffle sentence pairs
+joined (mean about 25 words, as news and Europarl), and 1% of pairs joining 4 to 24 (a tail of a few hundred
+words). Multi30k has about 20k word types where WMT has millions, so 4% of the words are replaced, on both
+sides alike (as a name is copied), by pseudo-words drawn from a Zipf-distributed pool of 2M: BPE then learns
+from, and the encoder reads, a realistic number of types. Not for training a translator.
+"""
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import resource
+import tempfile
+import time
+
+import numpy as np
+
+import data_prep
+
+MULTI30K = data_prep.LOCAL_MULTI30K
+
+
+def pseudo_words(n, rng):
+    """n distinct lowercase pseudo-words of 4 to 12 letters."""
+    letters = np.frombuffer(b'abcdefghijklmnopqrstuvwxyz', dtype=np.uint8)
+    words = set()
+    while len(words) < n:
+        m = n - len(words)
+        lens = rng.integers(4, 13, m)
+        chars = letters[rng.integers(0, 26, int(lens.sum()))].tobytes().decode('ascii')
+        ends = np.cumsum(lens)
+        words.update(chars[e - l:e] for e, l in zip(ends.tolist(), lens.tolist()))
+    words = sorted(words)  # sets iterate in a per-process hash order: sort, then shuffle by rng
+    return [words[i] for i in rng.permutation(len(words))]
+
+
+def make_pairs(src_lines, tgt_lines, n, rng, pool=2_000_000, rare=0.04, zipf=1.1):
+    """Yield n (src, tgt) lines built from the given parallel sentences as the module docstring says."""
+    words = pseudo_words(pool, rng) if rare > 0 else []
+    src_words = [s.split() for s in src_lines]
+    tgt_words = [t.split() for t in tgt_lines]
+    order = rng.permutation(len(src_words))
+    pos, chunk = 0, 100_000
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        joined = rng.choice([1, 2, 3], m, p=[0.3, 0.4, 0.3])
+        long = rng.random(m) < 0.01
+        joined[long] = rng.integers(4, 25, int(long.sum()))
+        for k in joined.tolist():
+            if pos + k > len(order):
+                order, pos = rng.permutation(len(src_words)), 0
+            ids = order[pos:pos + k].tolist()
+            pos += k
+            s = [w for i in ids for w in src_words[i]]
+            t = [w for i in ids for w in tgt_words[i]]
+            n_rare = rng.binomial(len(s), rare) if words else 0
+            for _ in range(n_rare):
+                w = words[min(int(rng.zipf(zipf)) - 1, len(words) - 1)]
+                s[int(rng.integers(len(s)))] = w
+                t[int(rng.integers(len(t)))] = w
+            yield ' '.join(s), ' '.join(t)
+
+
+def write_corpus(out, pairs, split, langs, n, rng, **kw):
+    """split.{lang}.gz for both sides, under temporary names renamed when complete."""
+    paths = [os.path.join(out, f'{split}.{lang}.gz') for lang in langs]
+    files = [gzip.open(p + '.tmp', 'wt', encoding='utf-8', compresslevel=1) for p in paths]
+    t0 = time.time()
+    for i, (s, t) in enumerate(make_pairs(*pairs, n, rng, **kw), 1):
+        files[0].write(s + '\n')
+        files[1].write(t + '\n')
+        if i % 500_000 == 0:
+            print(f'{split}: {i:,} / {n:,} pairs, {time.time() - t0:.0f}s', flush=True)
+    for f, p in zip(files, paths):
+        f.close()
+        os.replace(p + '.tmp', p)
+
+
+def corpus(args):
+    langs = (args.src, args.tgt)
+    read = lambda name, lang: list(data_prep.read_lines(os.path.join(args.multi30k, f'{name}.{lang}.gz')))
+    train = [read('train', lang) for lang in langs]
+    held_out = [read('val', lang) for lang in langs]
+    rng = np.random.default_rng(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    write_corpus(args.out, train, 'train', langs, args.pairs, rng, pool=args.pool, rare=args.rare)
+    # newstest-sized held-out sets (3000 pairs) from Multi30k's validation sentences
+    for split in ('valid', 'test'):
+        write_corpus(args.out, held_out, split, langs, args.held_out, rng, pool=args.pool, rare=args.rare)
+    print(f'wrote {args.out}: {args.pairs:,} training pairs in {time.time() - t0:.0f}s')
+
+
+def peak_rss_gb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # Linux: kilobytes
+
+
+def loader(args):
+    """train.py's batch plan and batch building on a prepared directory, timed per max_tokens."""
+    t0 = time.time()
+    data = data_prep.load_split(args.data, 'train')
+    with open(os.path.join(args.data, 'meta.json'), encoding='utf-8') as f:
+        meta = json.load(f)
+    print(f'{args.data}: {len(data[1]) - 1:,} pairs, {len(data[0]) + len(data[2]):,} tokens, '
+          f'opened in {time.time() - t0:.2f}s; peak RSS {peak_rss_gb():.2f} GB')
+    for max_tokens in args.max_tokens:
+        t0 = time.time()
+        plan = data_prep.batch_plan(data, max_tokens, seed=1, epoch=0)
+        t_plan = time.time() - t0
+        n = min(len(plan), args.batches)
+        t0 = time.time()
+        for ids in plan[:n]:
+            data_prep.collate(data, ids, meta['pad_id'], meta['bos_id'], meta['eos_id'])
+        dt = time.time() - t0
+        print(f'max_tokens {max_tokens}: batch_plan {t_plan:.1f}s for {len(plan):,} batches; collate '
+              f'{n / dt:,.0f} batches/s ({1e3 * dt / n:.2f} ms each, first {n} of the plan); '
+              f'peak RSS {peak_rss_gb():.2f} GB', flush=True)
+
+
+def checkpoints(args):
+    """Random-weight base and big models saved as train.py saves them (weights only, and the full state
+    with Adam's moments), then averaged as at the end of training (section 6.1: 5 for base, 20 for big)."""
+    import torch
+
+    import model as M
+    import translate
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for name, n_avg in (('base', 5), ('big', 20)):
+            cfg = M.preset(name, vocab_size=37000)
+            m = M.Transformer(cfg)
+            opt = torch.optim.Adam(m.parameters(), fused=True)
+            for p in m.parameters():  # Adam's state exists after its first step
+                p.grad = torch.zeros_like(p)
+            opt.step()
+            weights = {'model': m.state_dict(), 'model_cfg': dataclasses.asdict(cfg)}
+            t0 = time.time()
+            paths = []
+            for i in range(n_avg):
+                paths.append(os.path.join(tmp, f'ckpt_{i:07d}.pt'))
+                translate.save_atomic(weights, paths[-1])
+            t_write = (time.time() - t0) / n_avg
+            t0 = time.time()
+            translate.save_atomic({**weights, 'optimizer': opt.state_dict()}, os.path.join(tmp, 'state.pt'))
+            t_state = time.time() - t0
+            t0 = time.time()
+            translate.average_checkpoints(paths)
+            t_avg = time.time() - t0
+            gb = lambda p: os.path.getsize(p) / 1e9
+            print(f'{name}: {m.num_params() / 1e6:.0f}M parameters; ckpt_STEP.pt {gb(paths[0]):.2f} GB written in '
+                  f'{t_write:.1f}s; state_STEP.pt {gb(os.path.join(tmp, "state.pt")):.2f} GB in {t_state:.1f}s; '
+                  f'averaging {n_avg} in {t_avg:.1f}s; peak RSS {peak_rss_gb():.2f} GB', flush=True)
+            for p in os.listdir(tmp):
+                os.remove(os.path.join(tmp, p))
+            del m, opt, weights
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest='cmd', required=True)
+    c = sub.add_parser('corpus', help='write a WMT-sized parallel corpus made from Multi30k')
+    c.add_argument('--pairs', type=int, required=True)
+    c.add_argument('--out', required=True)
+    c.add_argument('--src', default='en')
+    c.add_argument('--tgt', default='de')
+    c.add_argument('--multi30k', default=MULTI30K, help='folder with train/val.{src,tgt}.gz')
+    c.add_argument('--held-out', type=int, default=3000, help='pairs in valid and in test (newstest: ~3000)')
+    c.add_argument('--pool', type=int, default=2_000_000, help='pseudo-words to draw rare words from')
+    c.add_argument('--rare', type=float, default=0.04, help='share of words replaced by pseudo-words')
+    c.add_argument('--seed', type=int, default=0)
+    l = sub.add_parser('loader', help="time train.py's batch plan and batch building")
+    l.add_argument('--data', required=True, help='a directory prepared by data_prep.py')
+    l.add_argument('--max-tokens', type=int, nargs='+', default=[4096, 25000])
+    l.add_argument('--batches', type=int, default=2000, help='batches built per max_tokens')
+    k = sub.add_parser('checkpoints', help='time writing and averaging base and big checkpoints')
+    k.add_argument('--dir', default='.', help='where the temporary checkpoints go')
+    args = p.parse_args(argv)
+    if args.cmd == 'corpus' and (args.pairs < 1 or args.held_out < 1 or not 0 <= args.rare < 1):
+        p.error('need --pairs >= 1, --held-out >= 1 and 0 <= --rare < 1')
+    {'corpus': corpus, 'loader': loader, 'checkpoints': checkpoints}[args.cmd](args)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,59 @@
+import gzip
+import os
+import random
+
+import numpy as np
+
+import data_prep
+import scale
+
+WORDS = 'a man woman dog runs sits on the in park street with red blue ball child two young old'.split()
+
+
+def fake_multi30k(folder, n=300):
+    rnd = random.Random(0)
+    os.makedirs(folder)
+    for split in ('train', 'val'):
+        sents = [' '.join(rnd.choice(WORDS) for _ in range(rnd.randint(8, 16))) for _ in range(n)]
+        for lang, text in (('en', sents), ('de', [s.upper() for s in sents])):  # a 'translation' by line
+            with gzip.open(os.path.join(folder, f'{split}.{lang}.gz'), 'wt', encoding='utf-8') as f:
+                f.write('\n'.join(text) + '\n')
+
+
+def read(folder, name):
+    return list(data_prep.read_lines(os.path.join(folder, name)))
+
+
+def test_corpus_is_parallel_wmt_sized_and_reproducible(tmp_path):
+    fake_multi30k(tmp_path / 'm30k')
+    args = ['corpus', '--pairs', '4000', '--held-out', '60', '--pool', '5000', '--multi30k', str(tmp_path / 'm30k')]
+    scale.main(args + ['--out', str(tmp_path / 'a')])
+    scale.main(args + ['--out', str(tmp_path / 'b')])
+    a = tmp_path / 'a'
+    src, tgt = read(a, 'train.en.gz'), read(a, 'train.de.gz')
+    assert len(src) == len(tgt) == 4000
+    assert len(read(a, 'valid.en.gz')) == len(read(a, 'test.de.gz')) == 60
+    assert not [f for f in os.listdir(a) if f.endswith('.tmp')]
+    words = np.array([len(s.split()) for s in src])
+    assert 20 <= words.mean() <= 32  # WMT's news and Europarl: about 25 words a sentence
+    assert words.max() >= 4 * 8  # the tail joins 4 to 24 sentences
+    # the pairs stay parallel: the target is the source upper-cased, but for the pseudo-words both share
+    rare = set(' '.join(src).split()) - set(WORDS)
+    assert len(rare) > 100
+    for s, t in zip(src, tgt):
+        assert len(s.split()) == len(t.split())
+        assert [w for w in s.split() if w in rare] or s.upper() == t
+    assert sum(bool(set(s.split()) & set(t.split()) & rare) for s, t in zip(src, tgt)) > 100
+    assert src == read(tmp_path / 'b', 'train.en.gz')  # same seed, same corpus
+
+
+def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
+    fake_multi30k(tmp_path / 'm30k')
+    c = tmp_path / 'c'
+    scale.main(['corpus', '--pairs', '2000', '--held-out', '40', '--pool', '2000', '--multi30k', str(tmp_path / 'm30k'),
+                '--out', str(c)])
+    data_prep.main(['custom', '--train', str(c / 'train'), '--valid', str(c / 'valid'), '--test', str(c / 'test'),
+                    '--src', 'en', '--tgt', 'de', '--vocab-size', '400', '--out', str(tmp_path / 'prep')])
+    scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '512', '4096', '--batches', '20'])
+    out = capsys.readouterr().out
+    assert 'max_tokens 512: batch_plan' in out and 'max_tokens 4096: batch_plan' in out

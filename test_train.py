@@ -229,7 +229,7 @@ def test_resume_is_exact(data_dir, tmp_path):
 
 
 def load_get_lr(**settings):
-    return load_function('get_lr', sys=sys, **settings)
+    return load_function('get_lr', sys=sys, **{'cooldown': 0.0, 'max_minutes': 0.0, **settings})
 
 
 def test_noam_schedule_matches_paper_formula():
@@ -249,6 +249,16 @@ def test_inverse_sqrt_schedule():
     assert get_lr(16000) == pytest.approx(2.5e-4)
 
 
+def test_cooldown_takes_the_lr_linearly_to_zero_over_the_end_of_the_time_budget():
+    get_lr = load_get_lr(schedule='inverse_sqrt', lr=1e-3, warmup=100, cooldown=0.25, max_minutes=10.0)
+    assert get_lr(400, elapsed=0) == pytest.approx(5e-4)
+    assert get_lr(400, elapsed=450) == pytest.approx(5e-4)  # 7.5 of 10 minutes: cooldown starts
+    assert get_lr(400, elapsed=525) == pytest.approx(2.5e-4)
+    assert get_lr(400, elapsed=600) == 0.0 and get_lr(400, elapsed=700) == 0.0
+    no_budget = load_get_lr(schedule='inverse_sqrt', lr=1e-3, warmup=100, cooldown=0.25, max_minutes=0.0)
+    assert no_budget(400, elapsed=10 ** 6) == pytest.approx(5e-4)
+
+
 @pytest.mark.parametrize('args,message', [
     (['--no_such_key=1'], "unknown setting 'no_such_key'"),
     (['--max_steps=ten'], 'max_steps must be int'),
@@ -260,6 +270,7 @@ def test_inverse_sqrt_schedule():
     (['--warmup=0'], 'warmup must be at least 1'),
     (['--d_model=30', '--n_heads=4'], 'd_model=30 must be a multiple of n_heads=4'),
     (['--dtype=float64'], "dtype must be 'auto'"),
+    (['--cooldown=2'], 'cooldown must be between 0 and 1'),
 ])
 def test_bad_settings_give_clear_errors(args, message, tmp_path):
     # an out_dir of its own: the default one may hold a finished run in a working checkout

@@ -61,6 +61,7 @@ schedule = 'noam'            # 'noam': the paper's formula; 'inverse_sqrt': fair
 lr = 5e-4                    # peak learning rate of 'inverse_sqrt'
 lr_scale = 1.0               # multiplier on the 'noam' formula
 warmup = 4000
+cooldown = 0.0               # with max_minutes: the LR falls linearly to 0 over this last share of the time (0 = off)
 beta1 = 0.9
 beta2 = 0.98
 adam_eps = 1e-9
@@ -117,6 +118,8 @@ for key in ('max_tokens', 'update_freq', 'max_steps', 'warmup', 'log_interval', 
             'average_last', 'bleu_beam', 'n_enc_layers', 'n_dec_layers', 'd_model', 'd_ff', 'n_heads', 'max_len'):
     if config[key] < 1:
         sys.exit(f"{key} must be at least 1, got {config[key]}")
+if not 0 <= cooldown <= 1:
+    sys.exit(f"cooldown must be between 0 and 1 (a share of max_minutes), got {cooldown}")
 if d_model % n_heads:
     sys.exit(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
 if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
@@ -261,30 +264,35 @@ if ddp:
     model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None)
 
 
-def get_lr(step):
+def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
-        return lr_scale * model_cfg.d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-    if schedule == 'inverse_sqrt':  # fairseq: linear warmup to lr, then lr * sqrt(warmup / step)
-        return lr * min(step / warmup, (warmup / step) ** 0.5)
-    sys.exit(f"schedule must be 'noam' or 'inverse_sqrt', got {schedule!r}")
+        rate = lr_scale * model_cfg.d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    elif schedule == 'inverse_sqrt':  # fairseq: linear warmup to lr, then lr * sqrt(warmup / step)
+        rate = lr * min(step / warmup, (warmup / step) ** 0.5)
+    else:
+        sys.exit(f"schedule must be 'noam' or 'inverse_sqrt', got {schedule!r}")
+    if cooldown > 0 and max_minutes > 0:  # linear decay to 0 over the last `cooldown` of the time budget
+        rate *= min(1.0, max(0.0, (1.0 - elapsed / (max_minutes * 60)) / cooldown))
+    return rate
 
 
 pending = None
 
 
-def agree(*flags):
-    """Time-based decisions (stop, save) taken the same on every rank, whose clocks differ: the flags'
-    maximum over ranks. Under DDP it is read one step late, so that the host never waits for the GPU:
-    the all-reduce runs on the training device (NCCL reduces GPU tensors only) behind the step's work."""
+def agree(*values):
+    """Time-based decisions (stop, save, the cooldown's clock) taken the same on every rank, whose clocks
+    differ: each value's maximum over ranks, as floats. Under DDP it is read one step late, so that the
+    host never waits for the GPU: the all-reduce runs on the training device (NCCL reduces GPU tensors
+    only) behind the step's work."""
     global pending
     if not ddp:
-        return [bool(f) for f in flags]
-    now = torch.zeros(len(flags), device=device)
-    for i, f in enumerate(flags):
-        now[i] = float(f)
+        return [float(v) for v in values]
+    now = torch.zeros(len(values), device=device)
+    for i, v in enumerate(values):
+        now[i] = float(v)
     dist.all_reduce(now, op=dist.ReduceOp.MAX)
     previous, pending = pending, now
-    return [False] * len(flags) if previous is None else [bool(f) for f in previous.tolist()]
+    return [0.0] * len(values) if previous is None else previous.tolist()
 
 
 def gather(obj):  # every rank's obj, in rank order
@@ -369,7 +377,7 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
 plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
 per_update = world * update_freq
 t_start = t_last = last_save = time.time()
-tokens_since = 0
+tokens_since, clock = 0, 0.0  # clock: the elapsed seconds all ranks agree on
 # Kept on the device and read only at log steps: a .item() per step would stall the GPU queue.
 loss_acc, nll_acc = torch.zeros((), device=device), torch.zeros((), device=device)
 streak, worst_streak, skipped = (torch.zeros((), device=device) for _ in range(3))
@@ -386,7 +394,7 @@ while step < max_steps:
     # collective; normalising by it makes N ranks and update_freq N give the same update.
     ntok_update = sum(int(train_tgt_len[ids].sum()) for ids in update)
     step, batch_idx = step + 1, batch_idx + 1
-    lr_now = get_lr(step)
+    lr_now = get_lr(step, clock)
     for group in optimizer.param_groups:
         group['lr'] = lr_now
     try:
@@ -416,8 +424,8 @@ while step < max_steps:
     worst_streak, skipped = torch.maximum(worst_streak, streak), skipped + bad
     tokens_since += ntok_update
     elapsed = time.time() - t_start
-    out_of_time, save_due = agree(max_minutes > 0 and elapsed > max_minutes * 60,
-                                  save_minutes > 0 and time.time() - last_save > save_minutes * 60)
+    out_of_time, save_due, clock = agree(max_minutes > 0 and elapsed > max_minutes * 60,
+                                         save_minutes > 0 and time.time() - last_save > save_minutes * 60, elapsed)
     if out_of_time:
         log(f"max_minutes={max_minutes} reached at step {step}")
         max_steps = step

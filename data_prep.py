@@ -348,18 +348,23 @@ def batch_plan(data, max_tokens, seed, epoch, shuffle=True):
 
 def collate(data, ids, pad_id, bos_id, eos_id):
     """Pairs ids of a split from load_split -> int64 arrays src (+ EOS), tgt_in (BOS +) and tgt_out (+ EOS),
-    each padded to its longest row."""
+    each padded to its longest row. One gather per side, no loop over rows: at 25k tokens per batch a
+    GPU step takes ~25 ms, and a per-row loop took 8 ms of it (README, Scale)."""
     src_tok, src_idx, tgt_tok, tgt_idx = data
-    srcs = [src_tok[src_idx[i]:src_idx[i + 1]] for i in ids]
-    tgts = [tgt_tok[tgt_idx[i]:tgt_idx[i + 1]] for i in ids]
-    src = np.full((len(ids), max(map(len, srcs)) + 1), pad_id, dtype=np.int64)
-    tgt_in = np.full((len(ids), max(map(len, tgts)) + 1), pad_id, dtype=np.int64)
-    tgt_out = tgt_in.copy()
-    for row, (s, t) in enumerate(zip(srcs, tgts)):
-        src[row, :len(s)], src[row, len(s)] = s, eos_id
-        tgt_in[row, 0], tgt_in[row, 1:len(t) + 1] = bos_id, t
-        tgt_out[row, :len(t)], tgt_out[row, len(t)] = t, eos_id
-    return src, tgt_in, tgt_out
+    ids, rows = np.asarray(ids, dtype=np.int64), np.arange(len(ids))
+
+    def side(tok, idx):  # each row's tokens, padded to the longest + 1; and the lengths
+        start, n = idx[ids], idx[ids + 1] - idx[ids]
+        cols = np.arange(n.max() + 1)
+        at = np.minimum(start[:, None] + cols, max(len(tok) - 1, 0))
+        return np.where(cols < n[:, None], tok[at] if len(tok) else 0, pad_id).astype(np.int64), n
+
+    (src, n_src), (tgt, n_tgt) = side(src_tok, src_idx), side(tgt_tok, tgt_idx)
+    tgt_in = np.full_like(tgt, pad_id)
+    tgt_in[:, 0], tgt_in[:, 1:] = bos_id, tgt[:, :-1]
+    src[rows, n_src] = eos_id
+    tgt[rows, n_tgt] = eos_id
+    return src, tgt_in, tgt
 
 
 def clean_mask(ls, lt, max_len, max_ratio):
@@ -433,6 +438,8 @@ def write_split(out, split, pairs, enc, langs, workers, max_len=0, max_ratio=0, 
                 stats['tokens'][i] += int(n.sum())
             stats['raw'] += len(batch)
             stats['pairs'] += int(keep.sum())
+            if stats['raw'] // 1_000_000 > (stats['raw'] - len(batch)) // 1_000_000:
+                print(f'{split}: {stats["raw"]:,} pairs encoded, {time.time() - t0:.0f}s', flush=True)
         for i, lang in enumerate(langs):
             n = np.concatenate(lengths[i]) if lengths[i] else np.zeros(0, np.int32)
             idx = np.concatenate([[0], np.cumsum(n, dtype=np.int64)]).astype(np.int64)
@@ -513,8 +520,12 @@ def prepare(args):
     os.environ.setdefault('RAYON_NUM_THREADS', str(args.workers))  # rustbpe's thread pool
 
     t0 = time.time()
-    texts = (text for pair in read_pairs(files['train']) for text in map(str.strip, pair) if text)
-    tok = train_tokenizer(texts, vocab_size, name)
+    def texts():  # what BPE learns from, with a progress line per million pairs read
+        for i, pair in enumerate(read_pairs(files['train']), 1):
+            if i % 1_000_000 == 0:
+                print(f'BPE: {i:,} training pairs read, {time.time() - t0:.0f}s', flush=True)
+            yield from (text for text in map(str.strip, pair) if text)
+    tok = train_tokenizer(texts(), vocab_size, name)
     write_json(os.path.join(out, 'tokenizer.json'), tok)
     enc = load_tokenizer(tok)
     bpe_seconds = time.time() - t0

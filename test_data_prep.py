@@ -498,3 +498,19 @@ def test_collate_puts_bos_eos_and_padding_where_the_model_expects_them():
     assert tgt_in.tolist() == [[1, 10, 11], [1, 9, 0]]
     assert tgt_out.tolist() == [[10, 11, 2], [9, 2, 0]]
     assert {x.dtype for x in (src, tgt_in, tgt_out)} == {np.dtype(np.int64)}
+
+
+def test_collate_equals_building_each_row_alone():
+    rng = np.random.default_rng(0)
+    lens = [rng.integers(0, 9, 50) for _ in range(2)]  # valid and test are not cleaned: empty sides occur
+    data = []
+    for n in lens:
+        data += [rng.integers(3, 100, int(n.sum())).astype(np.uint16), np.concatenate([[0], np.cumsum(n)])]
+    ids = rng.permutation(50)[:17]
+    src, tgt_in, tgt_out = data_prep.collate(tuple(data), ids, 0, 1, 2)
+    for row, i in enumerate(ids):
+        s = data[0][data[1][i]:data[1][i + 1]].tolist()
+        t = data[2][data[3][i]:data[3][i + 1]].tolist()
+        assert src[row].tolist() == s + [2] + [0] * (src.shape[1] - len(s) - 1)
+        assert tgt_in[row].tolist() == [1] + t + [0] * (tgt_in.shape[1] - len(t) - 1)
+        assert tgt_out[row].tolist() == t + [2] + [0] * (tgt_out.shape[1] - len(t) - 1)

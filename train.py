@@ -26,6 +26,8 @@ import data_prep
 import model as M
 import translate
 
+t_process = time.time()
+
 # -----------------------------------------------------------------------------------------------
 # I/O
 data_dir = 'data/multi30k_en_de'
@@ -375,6 +377,7 @@ log(json.dumps(config, indent=1))
 log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es) x update_freq "
     f"{update_freq} x max_tokens {max_tokens}; device {device}, {dtype}")
 plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
+log(f"{len(plan):,} batches this epoch; ready to train {time.time() - t_process:.1f}s after start")
 per_update = world * update_freq
 t_start = t_last = last_save = time.time()
 tokens_since, clock = 0, 0.0  # clock: the elapsed seconds all ranks agree on

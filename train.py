@@ -195,8 +195,8 @@ src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], me
 
 
 def get_batch(data, ids):
-    # Pinned host memory makes the copy truly asynchronous; from pageable memory CUDA first waits for
-    # the GPU queue to drain, a host sync per step.
+    # From pinned host memory the copy is asynchronous; from pageable memory the CUDA driver may first
+    # wait for the stream (CUDA's notes on API synchronization), a host sync per step.
     pin = device_type == 'cuda'
     return [(torch.from_numpy(x).pin_memory() if pin else torch.from_numpy(x)).to(device, non_blocking=True)
             for x in data_prep.collate(data, ids, PAD, BOS, EOS)]
@@ -282,10 +282,10 @@ pending = None
 
 
 def agree(*values):
-    """Time-based decisions (stop, save, the cooldown's clock) taken the same on every rank, whose clocks
-    differ: each value's maximum over ranks, as floats. Under DDP it is read one step late, so that the
-    host never waits for the GPU: the all-reduce runs on the training device (NCCL reduces GPU tensors
-    only) behind the step's work."""
+    """Time-based decisions taken the same on every rank, whose clocks differ (save now; the elapsed time
+    that stops the run and drives the cooldown): each value's maximum over ranks, as floats. Under DDP it
+    is read one step late, so that the host never waits for the GPU: the all-reduce runs on the training
+    device (NCCL reduces GPU tensors only) behind the step's work."""
     global pending
     if not ddp:
         return [float(v) for v in values]
@@ -427,9 +427,8 @@ while step < max_steps:
     worst_streak, skipped = torch.maximum(worst_streak, streak), skipped + bad
     tokens_since += ntok_update
     elapsed = time.time() - t_start
-    out_of_time, save_due, clock = agree(max_minutes > 0 and elapsed > max_minutes * 60,
-                                         save_minutes > 0 and time.time() - last_save > save_minutes * 60, elapsed)
-    if out_of_time:
+    save_due, clock = agree(save_minutes > 0 and time.time() - last_save > save_minutes * 60, elapsed)
+    if max_minutes > 0 and clock > max_minutes * 60:
         log(f"max_minutes={max_minutes} reached at step {step}")
         max_steps = step
     if step % log_interval == 0 or step == max_steps:  # every rank reads the bad-step counters

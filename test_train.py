@@ -229,7 +229,7 @@ def test_resume_is_exact(data_dir, tmp_path):
 
 
 def load_get_lr(**settings):
-    return load_function('get_lr', sys=sys, **{'cooldown': 0.0, 'max_minutes': 0.0, **settings})
+    return load_function('get_lr', sys=sys, **{'cooldown': 0.0, 'max_minutes': 0.0, 'max_steps': 10 ** 6, **settings})
 
 
 def test_noam_schedule_matches_paper_formula():
@@ -257,6 +257,14 @@ def test_cooldown_takes_the_lr_linearly_to_zero_over_the_end_of_the_time_budget(
     assert get_lr(400, elapsed=600) == 0.0 and get_lr(400, elapsed=700) == 0.0
     no_budget = load_get_lr(schedule='inverse_sqrt', lr=1e-3, warmup=100, cooldown=0.25, max_minutes=0.0)
     assert no_budget(400, elapsed=10 ** 6) == pytest.approx(5e-4)
+
+
+def test_cooldown_follows_max_steps_when_the_steps_run_out_first():
+    get_lr = load_get_lr(schedule='inverse_sqrt', lr=1e-3, warmup=100, cooldown=0.5, max_steps=800, max_minutes=600.0)
+    assert get_lr(400, elapsed=60) == pytest.approx(5e-4)  # half of max_steps: cooldown starts
+    assert get_lr(600, elapsed=60) == pytest.approx(1e-3 * (100 / 600) ** 0.5 * 0.5)
+    assert get_lr(800, elapsed=60) == 0.0
+    assert get_lr(400, elapsed=600 * 60 * 0.75) == pytest.approx(2.5e-4)  # the clock is further along: it rules
 
 
 @pytest.mark.parametrize('args,message', [

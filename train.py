@@ -63,7 +63,7 @@ schedule = 'noam'            # 'noam': the paper's formula; 'inverse_sqrt': fair
 lr = 5e-4                    # peak learning rate of 'inverse_sqrt'
 lr_scale = 1.0               # multiplier on the 'noam' formula
 warmup = 4000
-cooldown = 0.0               # with max_minutes: the LR falls linearly to 0 over this last share of the time (0 = off)
+cooldown = 0.0               # the LR falls linearly to 0 over this last share of the run (max_steps or max_minutes; 0 = off)
 beta1 = 0.9
 beta2 = 0.98
 adam_eps = 1e-9
@@ -273,8 +273,9 @@ def get_lr(step, elapsed=0.0):
         rate = lr * min(step / warmup, (warmup / step) ** 0.5)
     else:
         sys.exit(f"schedule must be 'noam' or 'inverse_sqrt', got {schedule!r}")
-    if cooldown > 0 and max_minutes > 0:  # linear decay to 0 over the last `cooldown` of the time budget
-        rate *= min(1.0, max(0.0, (1.0 - elapsed / (max_minutes * 60)) / cooldown))
+    if cooldown > 0:  # linear decay to 0 over the last `cooldown` of the run, by whichever budget ends it first
+        done = max(step / max_steps, elapsed / (max_minutes * 60) if max_minutes > 0 else 0.0)
+        rate *= min(1.0, max(0.0, (1.0 - done) / cooldown))
     return rate
 
 

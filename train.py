@@ -121,7 +121,7 @@ for key in ('max_tokens', 'update_freq', 'max_steps', 'warmup', 'log_interval', 
     if config[key] < 1:
         sys.exit(f"{key} must be at least 1, got {config[key]}")
 if not 0 <= cooldown <= 1:
-    sys.exit(f"cooldown must be between 0 and 1 (a share of max_minutes), got {cooldown}")
+    sys.exit(f"cooldown must be between 0 and 1 (a share of the run), got {cooldown}")
 if d_model % n_heads:
     sys.exit(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
 if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):

@@ -78,9 +78,7 @@ def real_pairs(data_dir, n, rng, cap):
     src_tok, src_idx, tgt_tok, tgt_idx = data_prep.load_split(data_dir, 'train')
     pick = rng.choice(len(src_idx) - 1, size=n)
     get = lambda tok, idx, i: np.asarray(tok[idx[i]:idx[i + 1]][:cap], dtype=np.int64)
-    with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
-        meta = json.load(f)
-    return [(get(src_tok, src_idx, i), get(tgt_tok, tgt_idx, i)) for i in pick], meta
+    return [(get(src_tok, src_idx, i), get(tgt_tok, tgt_idx, i)) for i in pick], data_prep.load_meta(data_dir)
 
 
 def make_batches(pairs, batch_tokens, cfg, rng, n_batches, device):

@@ -293,12 +293,17 @@ def load_tokenizer(path_or_dict):
 # cleaning and writing
 
 
+def load_meta(data_dir):
+    """A prepared directory's meta.json: languages, vocabulary size, special ids, token dtype, split sizes."""
+    with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
+        return json.load(f)
+
+
 def load_split(data_dir, split):
     """A prepared split -> (src tokens, src offsets, tgt tokens, tgt offsets): sentence i of a side is
     tokens[offsets[i]:offsets[i + 1]], memory-mapped, without BOS/EOS."""
     try:
-        with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
-            meta = json.load(f)
+        meta = load_meta(data_dir)
         sides = []
         for lang in (meta['src'], meta['tgt']):
             sides.append(np.memmap(os.path.join(data_dir, f'{split}.{lang}.bin'), dtype=meta['dtype'], mode='r'))

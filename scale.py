@@ -16,7 +16,6 @@ from, and the encoder reads, a realistic number of types. Not for training a tra
 import argparse
 import dataclasses
 import gzip
-import json
 import os
 import resource
 import tempfile
@@ -108,8 +107,7 @@ def loader(args):
     """train.py's batch plan and batch building on a prepared directory, timed per max_tokens."""
     t0 = time.time()
     data = data_prep.load_split(args.data, 'train')
-    with open(os.path.join(args.data, 'meta.json'), encoding='utf-8') as f:
-        meta = json.load(f)
+    meta = data_prep.load_meta(args.data)
     print(f'{args.data}: {len(data[1]) - 1:,} pairs, {len(data[0]) + len(data[2]):,} tokens, '
           f'opened in {time.time() - t0:.2f}s; peak RSS {peak_rss_gb():.2f} GB')
     for max_tokens in args.max_tokens:

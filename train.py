@@ -190,7 +190,7 @@ if init_from != 'resume' and run_files:
 if not os.path.exists(os.path.join(data_dir, 'meta.json')):
     sys.exit(f"no prepared data in {data_dir} (meta.json missing): run e.g. "
              f"`python data_prep.py multi30k --src en --tgt de --out {data_dir}`")
-meta = json.load(open(os.path.join(data_dir, 'meta.json')))
+meta = data_prep.load_meta(data_dir)
 src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], meta['bos_id'], meta['eos_id']
 
 

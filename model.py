@@ -78,13 +78,15 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, memory=None, mask=None, causal=False, cache=None):
         if self.cross:
-            q = self.heads(self.q_proj(x))
             if cache is not None and 'k' in cache:
                 k, v = cache['k'], cache['v']  # the source does not change while decoding
             else:
                 k, v = map(self.heads, self.kv_proj(memory).chunk(2, dim=-1))
                 if cache is not None:
                     cache['k'], cache['v'] = k, v
+            # Beam search keeps one copy of each source and its beams in consecutive rows of x: they fold
+            # into the query axis, exact because no query masks another, so K and V are never repeated.
+            q = self.heads(self.q_proj(x).view(k.size(0), -1, x.size(-1)))
         else:
             q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
             if cache is not None:
@@ -105,8 +107,7 @@ class MultiHeadAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                dropout_p=self.attn_dropout if self.training else 0.0)
-        B, h, T, dk = y.shape
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, h * dk))
+        return self.out_proj(y.transpose(1, 2).reshape(x.shape))
 
 
 class FeedForward(nn.Module):
@@ -209,8 +210,9 @@ class Transformer(nn.Module):
         return self.enc_norm(x), src_mask
 
     def decode(self, tgt, memory, src_mask, cache=None):
-        """tgt (B, T) -> logits (B, T, vocab). With a cache (from new_cache), tgt holds only the new
-        positions and the keys/values of earlier ones are reused."""
+        """tgt (B, T) -> logits (B, T, vocab). memory may hold B / k rows, one per k consecutive rows of
+        tgt (beams). With a cache (from new_cache), tgt holds only the new positions and the keys/values
+        of earlier ones are reused."""
         start = 0 if cache is None or 'k' not in cache[0]['self'] else cache[0]['self']['k'].size(2)
         x = self.embed_tokens(tgt, start)
         for i, layer in enumerate(self.decoder):
@@ -225,14 +227,13 @@ class Transformer(nn.Module):
         return [{'self': {}, 'cross': {}} for _ in self.decoder]
 
 
-def reorder_cache(cache, index, cross=False):
-    # Beam search keeps each sentence's beams together, so a reorder moves only the self-attention
-    # history; the cross-attention K/V of a sentence are the same for all its beams. When finished
-    # sentences leave the batch (cross=True), both go.
+def reorder_cache(cache, index, cross_index=None):
+    # The self-attention history follows its rows (beams) through index; the cross-attention K/V are one
+    # per sentence, shared by its beams, and move (cross_index) only when finished sentences leave.
     for layer in cache:
-        for kind in ('self', 'cross') if cross else ('self',):
-            for name in ('k', 'v'):
-                layer[kind][name] = layer[kind][name].index_select(0, index)
+        for kind, idx in (('self', index), ('cross', cross_index)):
+            if idx is not None:
+                layer[kind]['k'], layer[kind]['v'] = (layer[kind][n].index_select(0, idx) for n in ('k', 'v'))
 
 
 def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
@@ -297,7 +298,7 @@ def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
                 break
             active, tokens, score, limit = active[keep], tokens[keep], score[keep], limit[keep]
             memory, src_mask = memory[keep], src_mask[keep]
-            reorder_cache(cache, keep, cross=True)
+            reorder_cache(cache, keep, keep)
     return out
 
 
@@ -354,8 +355,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. A sentence decodes until no live beam
     can enter its nbest (can_stop), not until the first k hypotheses finish."""
     cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
-    memory, src_mask = model.encode(src)
-    memory, src_mask = memory.repeat_interleave(k, 0), src_mask.repeat_interleave(k, 0)
+    memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
     limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
     L = int(limit.max())
     cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
@@ -366,11 +366,14 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
     active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()
     for t in range(L):
-        logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
+        if t == 0:  # the k beams of a sentence start identical (BOS): decode one row per sentence
+            logp = next_log_probs(model, tokens[::k], memory, src_mask, cache).repeat_interleave(k, 0)
+        else:
+            logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
         top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
         fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
         alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
-        reorder_cache(cache, beam_idx)
+        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)  # after step 0 the cache has one row per sentence
         done = can_stop(fin_scores, alive, limit, t, alpha, nbest)
         if done.any():
             out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
@@ -379,8 +382,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
                 break
             rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)
             active, alive, limit, fin_scores, fin_tokens = (x[keep] for x in (active, alive, limit, fin_scores, fin_tokens))
-            tokens, memory, src_mask = tokens[rows], memory[rows], src_mask[rows]
-            reorder_cache(cache, rows, cross=True)
+            tokens, memory, src_mask = tokens[rows], memory[keep], src_mask[keep]
+            reorder_cache(cache, rows, keep)
     out = []
     for toks, scores in zip(out_tokens.tolist(), out_scores.tolist()):
         hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]

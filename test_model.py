@@ -74,6 +74,19 @@ def test_cache_matches_full_forward(pre_norm):
         torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
 
 
+def test_beams_share_one_copy_of_the_source():
+    # Beam search passes one memory row per sentence for its k consecutive decoder rows.
+    m, k = tiny(), 3
+    memory, src_mask = m.encode(pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]]))
+    tgt = torch.randint(3, 24, (2 * k, 6))
+    repeated = m.decode(tgt, memory.repeat_interleave(k, 0), src_mask.repeat_interleave(k, 0))
+    torch.testing.assert_close(m.decode(tgt, memory, src_mask), repeated, atol=1e-5, rtol=0)
+    cache = m.new_cache()
+    for t in range(tgt.size(1)):
+        step = m.decode(tgt[:, t:t + 1], memory, src_mask, cache)[:, 0]
+        torch.testing.assert_close(step, repeated[:, t], atol=1e-5, rtol=0)
+
+
 def test_positional_encoding_matches_formula():
     pe = M.sinusoidal_positions(100, 16)
     for pos, i in [(0, 0), (1, 0), (7, 3), (50, 5), (99, 7)]:

@@ -266,7 +266,9 @@ def max_lengths(model, src, max_len_a, max_len_b):
 
 
 def next_log_probs(model, tokens, memory, src_mask, cache):
-    logp = F.log_softmax(model.decode(tokens, memory, src_mask, cache)[:, -1].float(), dim=-1)
+    logits = model.decode(tokens, memory, src_mask, cache)[:, -1].float()
+    # In place: a new (rows x V) result of tens of MB costs more in page faults than the softmax itself.
+    logp = torch.log_softmax(logits, dim=-1, out=logits)
     # Never generated, but masked after normalising so scores stay the model's own log-probabilities.
     logp[:, [model.cfg.pad_id, model.cfg.bos_id]] = -math.inf
     return logp

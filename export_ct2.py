@@ -156,7 +156,8 @@ def main(argv=None):
     if not isinstance(tok, dict):  # a path, as load_checkpoint allows (it has just loaded, so it resolves)
         tok = tok if os.path.exists(tok) else os.path.join(os.path.dirname(paths[-1]), tok)
         tok = data_prep.tokenizer_dict(tok) if os.path.isdir(tok) else json.load(open(tok, encoding='utf-8'))
-    info = {'checkpoints': [os.path.abspath(q) for q in paths], 'step': ckpt.get('step')}
+    info = {'checkpoints': [os.path.abspath(q) for q in paths], 'step': ckpt.get('step'),
+            'lenpen': T.default_lenpen(ckpt)}
     out = export(model, tok, args.out, args.quantization, args.force, info)
     print(f"export_ct2.py: wrote {out} ({args.quantization}, {model.num_params() / 1e6:.1f}M parameters, "
           f"from {', '.join(os.path.basename(q) for q in paths)})", file=sys.stderr)

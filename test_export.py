@@ -107,6 +107,14 @@ def test_export_of_averaged_checkpoints_equals_export_of_the_average(toys, tmp_p
         T.translate_lines(toy['model'], enc, lines, greedy=True))  # the shifts cancel (up to rounding)
 
 
+def test_export_carries_the_length_penalty_the_checkpoint_was_validated_with(toys, tmp_path):
+    toy = toys[0][True]
+    torch.save({**torch.load(toy['folder'] / 'ckpt.pt', weights_only=True), 'config': {'bleu_lenpen': 1.5}},
+               tmp_path / 'ckpt.pt')
+    E.main(['--ckpt', str(tmp_path / 'ckpt.pt'), '--out', str(tmp_path / 'ct2')])
+    assert T.load_ct2(str(tmp_path / 'ct2'))[0].lenpen == 1.5 and T.load_ct2(toy['ct2'])[0].lenpen == 0.6
+
+
 def test_translate_cli_serves_an_export_with_the_same_line_rules_and_scores(toys, tmp_path):
     toy, lines = toys[0][True], toys[1]
     long_line = ' '.join(WORDS * 4)  # longer than max_len 80 leaves room for: truncated, with a warning

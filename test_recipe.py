@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import data_prep
 
@@ -31,3 +32,7 @@ def test_multi30k_recipe_reaches_measured_valid_loss(tmp_path):
     valid = [r['valid_loss'] for r in map(json.loads, open(out / 'log.jsonl')) if 'valid_loss' in r]
     print(f'valid loss after {STEPS} steps: {valid[-1]:.3f}')
     assert valid[-1] < THRESHOLD
+    # The recipe's length penalty travels with the model, as translate.py's default for it.
+    recipe = {}
+    exec(open(os.path.join(HERE, 'config', 'multi30k.py')).read(), {}, recipe)
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['config']['bleu_lenpen'] == recipe['bleu_lenpen']

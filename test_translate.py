@@ -151,6 +151,20 @@ def test_nbest_lists_n_hypotheses_per_line_sorted_by_score(toy, tmp_path):
         assert scores == pytest.approx([s for _, s in own], abs=2e-4)
 
 
+def test_lenpen_defaults_to_the_one_the_checkpoint_was_validated_with(toy, tmp_path):
+    # train.py keeps bleu_lenpen in the checkpoint's config; translate.py decodes with it unless --lenpen
+    # says otherwise, and with the paper's 0.6 where the config has none. nbest scores show the alpha used.
+    tuned = tmp_path / 'tuned.pt'
+    torch.save({**torch.load(toy['ckpt'], weights_only=True), 'config': {'bleu_lenpen': 1.5}}, tuned)
+
+    def scores(ckpt, *extra):
+        out = tmp_path / 'nbest'
+        T.main(['--ckpt', str(ckpt), '--input', toy['src'], '--output', str(out), '--nbest', '2', *extra])
+        return out.read_text(encoding='utf-8')
+    assert scores(tuned) == scores(toy['ckpt'], '--lenpen', '1.5') != scores(toy['ckpt'])
+    assert scores(toy['ckpt']) == scores(tuned, '--lenpen', '0.6')
+
+
 def test_bad_input_gives_exactly_one_output_line_per_input_line(toy, tmp_path):
     long_line = ' '.join(WORDS * 4)  # 48 tokens: more than the toy model's max_len 80 leaves for it
     raw = [b'alpha beta gamma\r\n', b'\n', b'   \n', long_line.encode() + b'\n', b'beta \xff\xfe delta\n',

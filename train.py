@@ -39,6 +39,8 @@ log_interval = 100           # steps
 eval_interval = 1000         # validation loss every N steps (0 = only at the end)
 bleu_interval = 0            # validation BLEU every N steps (0: only at the end, -1: never); best kept as ckpt_best.pt
 bleu_beam = 4
+bleu_lenpen = 0.6            # length penalty alpha of validation BLEU, and translate.py's default for the model
+                             # (section 6.1: 0.6, chosen on the development set)
 save_interval = 1000         # checkpoint every N steps ...
 save_minutes = 0.0           # ... and/or every N minutes (the paper: every 10 minutes)
 keep_last = 5                # weights-only ckpt_STEP.pt snapshots kept, for averaging
@@ -120,6 +122,8 @@ for key in ('max_tokens', 'update_freq', 'max_steps', 'warmup', 'log_interval', 
             'average_last', 'bleu_beam', 'n_enc_layers', 'n_dec_layers', 'd_model', 'd_ff', 'n_heads', 'max_len'):
     if config[key] < 1:
         sys.exit(f"{key} must be at least 1, got {config[key]}")
+if bleu_lenpen < 0:
+    sys.exit(f"bleu_lenpen must be at least 0, got {bleu_lenpen}")
 if not 0 <= cooldown <= 1:
     sys.exit(f"cooldown must be between 0 and 1 (a share of the run), got {cooldown}")
 if d_model % n_heads:
@@ -325,7 +329,7 @@ def validation_loss():
 def validation_bleu():
     raw_model.eval()
     with autocast:  # each rank translates every world-th sentence
-        hyps = list(translate.translate_lines(raw_model, enc, valid_src[rank::world], beam=bleu_beam))
+        hyps = list(translate.translate_lines(raw_model, enc, valid_src[rank::world], beam=bleu_beam, alpha=bleu_lenpen))
     raw_model.train()
     shares = gather(hyps)
     return translate.bleu([shares[i % world][i // world] for i in range(len(valid_src))], valid_ref).score

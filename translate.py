@@ -74,6 +74,11 @@ def check_tokenizer(path, cfg, enc):
             fail(f"{path}: tokenizer's {name} id is {got} but the model's is {want}")
 
 
+def default_lenpen(ckpt):
+    # The model's own length penalty: the one its training config validated with (train.py bleu_lenpen).
+    return ckpt.get('config', {}).get('bleu_lenpen', 0.6)  # older checkpoints: the paper's
+
+
 def load_checkpoint(path, device='cpu', state_dict=None):
     """-> (model in eval mode on device, tiktoken Encoding, checkpoint dict). The tokenizer comes from the
     checkpoint itself (embedded dict, or a path, taken relative to the checkpoint if not found as is).
@@ -175,7 +180,8 @@ class CT2Model:
             fail(f"{path} is a CTranslate2 export: pip install ctranslate2")
         try:
             with open(os.path.join(path, CT2_MARKER), encoding='utf-8') as f:
-                self.cfg = M.Config(**json.load(f)['model_cfg'])
+                marker = json.load(f)
+            self.cfg, self.lenpen = M.Config(**marker['model_cfg']), marker.get('lenpen', 0.6)
             with open(os.path.join(path, 'shared_vocabulary.json'), encoding='utf-8') as f:
                 self.tokens = json.load(f)
             kind, _, index = device.partition(':')
@@ -375,8 +381,9 @@ def main(argv=None):
     p.add_argument('--output', help="where the translations go (default: stdout)")
     p.add_argument('--beam', type=int, default=4, help="beam size (the paper: 4)")
     # Same names as fairseq's flags, other meanings: said here and in the README.
-    p.add_argument('--lenpen', type=float, default=0.6, help="GNMT's length penalty alpha, score = log P / "
-                   "((5 + |Y|) / 6)^alpha (the paper: 0.6); not fairseq's log P / |Y|^lenpen")
+    p.add_argument('--lenpen', type=float, help="GNMT's length penalty alpha, score = log P / ((5 + |Y|) / 6)^alpha, "
+                   "not fairseq's log P / |Y|^lenpen (default: the model's own, its training config's bleu_lenpen, "
+                   "which config/multi30k.py tunes on the validation set; else the paper's 0.6)")
     p.add_argument('--max-len-a', type=float, default=1.0, help="at most a * (source tokens + EOS) + b output "
                    "tokens, EOS included (default 1 and 50: the paper's input + 50; fairseq's are 0 and 200)")
     p.add_argument('--max-len-b', type=int, default=50)
@@ -396,6 +403,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.beam < 1 or args.max_tokens < 1 or not 1 <= args.nbest <= (1 if args.greedy else args.beam):
         p.error("need beam >= 1, max-tokens >= 1 and 1 <= nbest <= beam (1 with --greedy)")
+    if args.lenpen is not None and args.lenpen < 0:
+        p.error("--lenpen must be at least 0")
     if args.paper_bleu and not args.ref:
         p.error("--paper-bleu needs --ref")
     if args.save_average and not args.average_last:
@@ -427,6 +436,8 @@ def main(argv=None):
                          'averaged': [os.path.basename(q) for q in paths]}, args.save_average)
     else:
         model, enc, ckpt = load_checkpoint(args.ckpt, args.device)
+    if args.lenpen is None:
+        args.lenpen = model.lenpen if ct2 else default_lenpen(ckpt)
     dtype = None if ct2 else getattr(torch, args.dtype or ('bfloat16' if args.device.startswith('cuda') else 'float32'))
     opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                 max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype)
@@ -463,7 +474,8 @@ def main(argv=None):
         out.close()
     print(f"translate.py: {stats['sentences']} sentences in {dt:.1f}s: {stats['sentences'] / dt:.1f} "
           f"sentences/s, {stats['tgt_tokens'] / dt:.0f} target tokens/s ({args.device}, "
-          f"{f'CTranslate2 {model.compute_type}' if ct2 else dtype})", file=sys.stderr)
+          f"{f'CTranslate2 {model.compute_type}' if ct2 else dtype}, "
+          f"{'greedy' if args.greedy else f'beam {args.beam}, lenpen {args.lenpen:g}'})", file=sys.stderr)
     if refs is not None:
         for name, metric in (('sacreBLEU', BLEU()), ('chrF', CHRF())):
             print(f"{name}: {metric.corpus_score(hyps, [refs])}  ({metric.get_signature()})", file=sys.stderr)

@@ -165,6 +165,16 @@ def test_lenpen_defaults_to_the_one_the_checkpoint_was_validated_with(toy, tmp_p
     assert scores(toy['ckpt']) == scores(tuned, '--lenpen', '0.6')
 
 
+def test_compiled_decoding_gives_the_eager_output(toy, tmp_path, monkeypatch):
+    import torch._inductor.config as inductor
+    monkeypatch.setattr(inductor, 'freezing', inductor.freezing)  # --compile sets it for the whole process
+    out = {}
+    for flags in ([], ['--compile']):
+        out[bool(flags)] = tmp_path / f'hyp{len(flags)}'
+        T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out[bool(flags)]), *flags])
+    assert out[True].read_text(encoding='utf-8') == out[False].read_text(encoding='utf-8')
+
+
 def test_bad_input_gives_exactly_one_output_line_per_input_line(toy, tmp_path):
     long_line = ' '.join(WORDS * 4)  # 48 tokens: more than the toy model's max_len 80 leaves for it
     raw = [b'alpha beta gamma\r\n', b'\n', b'   \n', long_line.encode() + b'\n', b'beta \xff\xfe delta\n',

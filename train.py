@@ -329,7 +329,8 @@ def validation_loss():
 def validation_bleu():
     raw_model.eval()
     with autocast:  # each rank translates every world-th sentence
-        hyps = list(translate.translate_lines(raw_model, enc, valid_src[rank::world], beam=bleu_beam, alpha=bleu_lenpen))
+        hyps = list(translate.translate_lines(raw_model, enc, valid_src[rank::world], beam=bleu_beam,
+                                              alpha=bleu_lenpen))
     raw_model.train()
     shares = gather(hyps)
     return translate.bleu([shares[i % world][i // world] for i in range(len(valid_src))], valid_ref).score

@@ -316,6 +316,8 @@ def main(argv=None):
     args = parse_args(argv)
     t_start, load = time.perf_counter(), os.getloadavg()[0]  # other processes on the cores skew timings
     device = torch.device(args.device)
+    if device.type == 'cpu':  # as train.py and translate.py do
+        M.keep_freed_memory()
     native = M.fast_dtype(device.type)
     dtype_name = args.dtype or native
     dtype = DTYPES[dtype_name]

@@ -4,6 +4,7 @@ Read top to bottom in the order of the paper's section 3: configuration (Table 3
 positional encoding (3.4, 3.5), multi-head attention (3.2), the position-wise feed-forward network
 (3.3), encoder and decoder stacks (3.1), then the training loss (5.4) and decoding (6.1).
 """
+import ctypes
 import math
 from dataclasses import dataclass, fields
 
@@ -121,6 +122,19 @@ class FeedForward(nn.Module):
         return self.w2(F.relu(self.w1(x)))
 
 
+class Dropout(nn.Dropout):
+    """nn.Dropout with the CPU mask drawn by rand_like: torch's CPU dropout draws it with bernoulli_, at
+    twice the cost (README, Performance). Same distribution: each element kept with probability 1 - p."""
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        if x.device.type != 'cpu' or self.p == 1:
+            return super().forward(x)
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # float32: bf16 would round p
+        return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+
+
 def residual(x, sublayer, norm, dropout, pre_norm):
     # Section 5.4: dropout on each sub-layer's output before it is added to its input.
     # Post-norm (the paper) normalises the sum; pre-norm normalises the input instead, which keeps an
@@ -135,7 +149,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn, self.ffn = MultiHeadAttention(cfg), FeedForward(cfg)
         self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.dropout, self.pre_norm = nn.Dropout(cfg.dropout), cfg.pre_norm
+        self.dropout, self.pre_norm = Dropout(cfg.dropout), cfg.pre_norm
 
     def forward(self, x, src_mask):
         x = residual(x, lambda h: self.self_attn(h, mask=src_mask), self.norm1, self.dropout, self.pre_norm)
@@ -148,7 +162,7 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.cross_attn = MultiHeadAttention(cfg), MultiHeadAttention(cfg, cross=True)
         self.ffn = FeedForward(cfg)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
-        self.dropout, self.pre_norm = nn.Dropout(cfg.dropout), cfg.pre_norm
+        self.dropout, self.pre_norm = Dropout(cfg.dropout), cfg.pre_norm
 
     def forward(self, x, memory, src_mask, cache=None):
         self_cache, cross_cache = (None, None) if cache is None else (cache['self'], cache['cross'])
@@ -167,7 +181,7 @@ class Transformer(nn.Module):
         # projection (a joint BPE vocabulary makes the source/target sharing possible).
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.register_buffer('pe', sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
         # Pre-norm leaves the last residual sum un-normalised, so each stack needs a final LayerNorm.
@@ -400,3 +414,15 @@ def fast_dtype(device_type):
         return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
     native = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False)() for isa in ('avx512_bf16', 'amx_tile')]
     return 'bfloat16' if device_type == 'cpu' and any(native) else 'float32'
+
+
+def keep_freed_memory():
+    """glibc returns a freed block over 32 MB (a batch's logits, tokens x vocab floats) to the OS, so the
+    next step page-faults it back in, zeroed, page by page (README, Performance). Keep freed memory in the
+    process instead, as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_ would. A no-op without glibc."""
+    try:
+        libc = ctypes.CDLL('libc.so.6')
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 30))

@@ -418,6 +418,8 @@ def main(argv=None):
         p.error("--ct2-compute-type is for a CTranslate2 export (export_ct2.py)")
     args.device = args.device or (CT2Model.default_device() if ct2 else
                                   'cuda' if torch.cuda.is_available() else 'cpu')
+    if args.device == 'cpu':
+        M.keep_freed_memory()
     if args.device.startswith('cuda') and not ct2 and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no GPU available")
     interactive = args.input is None and sys.stdin.isatty()

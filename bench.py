@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import data_prep
 import model as M
+import translate as T
 
 # Configs beyond model.preset: 'small' is Multi30k-sized (what one trains on a laptop), 'tiny' is for tests.
 CONFIGS = {
@@ -317,7 +318,7 @@ def main(argv=None):
     t_start, load = time.perf_counter(), os.getloadavg()[0]  # other processes on the cores skew timings
     device = torch.device(args.device)
     if device.type == 'cpu':  # as train.py and translate.py do
-        M.keep_freed_memory()
+        T.keep_freed_memory()
     native = M.fast_dtype(device.type)
     dtype_name = args.dtype or native
     dtype = DTYPES[dtype_name]

@@ -4,7 +4,6 @@ Read top to bottom in the order of the paper's section 3: configuration (Table 3
 positional encoding (3.4, 3.5), multi-head attention (3.2), the position-wise feed-forward network
 (3.3), encoder and decoder stacks (3.1), then the training loss (5.4) and decoding (6.1).
 """
-import ctypes
 import math
 from dataclasses import dataclass, fields
 
@@ -415,14 +414,3 @@ def fast_dtype(device_type):
     native = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False)() for isa in ('avx512_bf16', 'amx_tile')]
     return 'bfloat16' if device_type == 'cpu' and any(native) else 'float32'
 
-
-def keep_freed_memory():
-    """glibc returns a freed block over 32 MB (a batch's logits, tokens x vocab floats) to the OS, so the
-    next step page-faults it back in, zeroed, page by page (README, Performance). Keep freed memory in the
-    process instead, as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_ would. A no-op without glibc."""
-    try:
-        libc = ctypes.CDLL('libc.so.6')
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 30))

@@ -330,19 +330,3 @@ def test_dropout_keeps_each_element_with_1_minus_p_and_rescales():
     assert drop.eval()(x) is x
     assert drop.train()(x.detach().bfloat16()).dtype == torch.bfloat16
 
-
-@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc')
-def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
-    # A 132 MB tensor freed, then one of 128 MB: glibc's default maps the second afresh (a page fault per
-    # 4 kB page); kept in the heap, the second reuses the pages of the first.
-    code = """if 1:
-        import resource, sys, torch, model as M
-        if sys.argv[1] == 'keep': assert M.keep_freed_memory()
-        x = torch.ones(33 << 20)
-        del x
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        x = torch.ones(32 << 20)
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)"""
-    faults = {mode: int(subprocess.run([sys.executable, '-c', code, mode], capture_output=True, text=True,
-                                       check=True).stdout) for mode in ('default', 'keep')}
-    assert faults['default'] > 20_000 and faults['keep'] < 1_000, faults

@@ -300,3 +300,20 @@ def test_bfloat16_autocast_decoding_on_cpu_mostly_agrees_with_float32(toy):
     fp32 = list(T.translate_lines(toy['model'], toy['enc'], toy['lines']))
     bf16 = list(T.translate_lines(toy['model'], toy['enc'], toy['lines'], dtype=torch.bfloat16))
     assert len(bf16) == len(fp32) and sum(a == b for a, b in zip(fp32, bf16)) >= 0.8 * len(fp32)
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc')
+def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
+    # A 132 MB tensor freed, then one of 128 MB: glibc's default maps the second afresh (a page fault per
+    # 4 kB page); kept in the heap, the second reuses the pages of the first.
+    code = """if 1:
+        import resource, sys, torch, translate as T
+        if sys.argv[1] == 'keep': assert T.keep_freed_memory()
+        x = torch.ones(33 << 20)
+        del x
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        x = torch.ones(32 << 20)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)"""
+    faults = {mode: int(subprocess.run([sys.executable, '-c', code, mode], capture_output=True, text=True,
+                                       check=True).stdout) for mode in ('default', 'keep')}
+    assert faults['default'] > 20_000 and faults['keep'] < 1_000, faults

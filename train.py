@@ -160,7 +160,7 @@ elif dtype == 'bfloat16' and M.fast_dtype(device_type) != 'bfloat16':
           "slower than 'float32' (dtype='auto' picks the faster one)", file=sys.stderr)
 torch.manual_seed(seed + rank)
 if device_type == 'cpu':
-    M.keep_freed_memory()
+    translate.keep_freed_memory()
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 if device_type == 'cpu' and dtype == 'bfloat16':
     # At sentence lengths the CPU flash-attention kernel is slower than the plain one in bf16 (README,

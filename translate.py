@@ -9,6 +9,7 @@ input order, optionally scored against a reference with sacreBLEU, chrF and the 
 Also the library train.py uses: load_checkpoint, average_checkpoints, save_atomic, translate_lines, bleu.
 """
 import argparse
+import ctypes
 import glob
 import json
 import os
@@ -72,6 +73,18 @@ def check_tokenizer(path, cfg, enc):
             got = None
         if got != want:
             fail(f"{path}: tokenizer's {name} id is {got} but the model's is {want}")
+
+
+def keep_freed_memory():
+    """glibc returns a freed block over 32 MB (a batch's logits, tokens x vocab floats) to the OS, so the
+    next step page-faults it back in, zeroed, page by page (README, Performance). Keep freed memory in the
+    process instead, as MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_ would. A no-op without glibc."""
+    try:
+        libc = ctypes.CDLL('libc.so.6')
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 30))
 
 
 def default_lenpen(ckpt):
@@ -419,7 +432,7 @@ def main(argv=None):
     args.device = args.device or (CT2Model.default_device() if ct2 else
                                   'cuda' if torch.cuda.is_available() else 'cpu')
     if args.device == 'cpu':
-        M.keep_freed_memory()
+        keep_freed_memory()
     if args.device.startswith('cuda') and not ct2 and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no GPU available")
     interactive = args.input is None and sys.stdin.isatty()

@@ -5,6 +5,7 @@ positional encoding (3.4, 3.5), multi-head attention (3.2), the position-wise fe
 (3.3), encoder and decoder stacks (3.1), then the training loss (5.4) and decoding (6.1).
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -55,6 +56,22 @@ def sinusoidal_positions(max_len, d_model):
     return pe.float()
 
 
+def linear(x, weight, bias=None, packed=None):
+    # With a copy of the weight prepacked for oneDNN (packed_weights), where that is the same computation:
+    # eager PyTorch multiplies float32 on the CPU with MKL, 1.1-2x slower for decoding on some CPUs (README).
+    if (packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled('cpu') and not torch.compiler.is_compiling()):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, 'none', [], '')
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    packed = None  # set by packed_weights for the duration of a decoding call
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias, self.packed)
+
+
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2. Self-attention projects Q, K, V with one fused matmul; cross-attention
     projects Q from the decoder and K, V (fused) from the encoder output, once per source."""
@@ -64,10 +81,10 @@ class MultiHeadAttention(nn.Module):
         self.n_heads, self.cross, self.attn_dropout = cfg.n_heads, cross, cfg.attn_dropout
         d = cfg.d_model
         if cross:
-            self.q_proj, self.kv_proj = nn.Linear(d, d), nn.Linear(d, 2 * d)
+            self.q_proj, self.kv_proj = Linear(d, d), Linear(d, 2 * d)
         else:
-            self.qkv_proj = nn.Linear(d, 3 * d)
-        self.out_proj = nn.Linear(d, d)
+            self.qkv_proj = Linear(d, 3 * d)
+        self.out_proj = Linear(d, d)
         # SDPA never materialises the attention weights; set True (plot.py does) to compute them
         # explicitly and keep the last call's in self.weights, (B, h, queries, keys).
         self.keep_weights = False
@@ -91,7 +108,8 @@ class MultiHeadAttention(nn.Module):
             q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
             if cache is not None:
                 if 'k' in cache:
-                    k, v = torch.cat([cache['k'], k], 2), torch.cat([cache['v'], v], 2)
+                    order = cache.pop('order', None)  # reorder_cache's, applied here in the same copy
+                    k, v = extend(cache['k'], k, order), extend(cache['v'], v, order)
                 cache['k'], cache['v'] = k, v
                 # A single new query may see every cached key; SDPA's is_causal would align the
                 # mask top-left and hide them, so causality comes from the cache itself.
@@ -115,7 +133,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.w1, self.w2 = nn.Linear(cfg.d_model, cfg.d_ff), nn.Linear(cfg.d_ff, cfg.d_model)
+        self.w1, self.w2 = Linear(cfg.d_model, cfg.d_ff), Linear(cfg.d_ff, cfg.d_model)
 
     def forward(self, x):
         return self.w2(F.relu(self.w1(x)))
@@ -173,6 +191,8 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
+    packed_embed = None  # the output projection's packed_weights copy
+
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -230,7 +250,7 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tgt, start)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory, src_mask, None if cache is None else cache[i])
-        return F.linear(self.dec_norm(x), self.embed.weight)
+        return linear(self.dec_norm(x), self.embed.weight, None, self.packed_embed)
 
     def forward(self, src, tgt):
         memory, src_mask = self.encode(src)
@@ -240,13 +260,29 @@ class Transformer(nn.Module):
         return [{'self': {}, 'cross': {}} for _ in self.decoder]
 
 
+def extend(past, new, order=None):
+    """Cached keys or values (rows, h, T, d_k) in the row order `order` (reorder_cache), then the new
+    step's: one copy of the history per step where index_select, then torch.cat, would make two."""
+    T = past.size(2)
+    out = new.new_empty(new.size(0), new.size(1), T + new.size(2), new.size(3))
+    if order is None:
+        out[:, :, :T] = past
+    else:
+        torch.index_select(past, 0, order, out=out[:, :, :T])
+    out[:, :, T:] = new
+    return out
+
+
 def reorder_cache(cache, index, cross_index=None):
-    # The self-attention history follows its rows (beams) through index; the cross-attention K/V are one
-    # per sentence, shared by its beams, and move (cross_index) only when finished sentences leave.
+    # The self-attention history follows its rows (beams) through index, moved when the next step
+    # extends it (extend); the cross-attention K/V are one per sentence, shared by its beams, and move
+    # (cross_index) only when finished sentences leave.
     for layer in cache:
-        for kind, idx in (('self', index), ('cross', cross_index)):
-            if idx is not None:
-                layer[kind]['k'], layer[kind]['v'] = (layer[kind][n].index_select(0, idx) for n in ('k', 'v'))
+        own = layer['self']
+        own['order'] = own['order'][index] if 'order' in own else index
+        if cross_index is not None:
+            cross = layer['cross']
+            cross['k'], cross['v'] = cross['k'].index_select(0, cross_index), cross['v'].index_select(0, cross_index)
 
 
 def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
@@ -287,34 +323,57 @@ def next_log_probs(model, tokens, memory, src_mask, cache):
     return logp
 
 
+@contextmanager
+def packed_weights(model):
+    """Within it, a float32 CPU model multiplies with weights prepacked for oneDNN (linear); the copies
+    are made on entry and dropped on exit, so they never outlive a change to the weights."""
+    w = model.embed.weight if isinstance(model, Transformer) else None
+    if not (w is not None and w.device.type == 'cpu' and w.dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')):  # private ops: where absent, F.linear
+        yield
+        return
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    try:
+        for m in layers:
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight)
+        model.packed_embed = torch.ops.mkldnn._reorder_linear_weight(w)
+        yield
+    finally:
+        for m in layers:
+            m.packed = None
+        model.packed_embed = None
+
+
 @torch.no_grad()
 def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
     """Returns, for each sentence, [(tokens without BOS/EOS, summed log-probability)]. A sentence leaves
     the batch when it ends, so later steps compute only for those still going."""
-    cfg, B = model.cfg, src.size(0)
-    memory, src_mask = model.encode(src)
-    limit = max_lengths(model, src, max_len_a, max_len_b)
-    cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
-    score = torch.zeros(B, device=src.device)
-    active, out = torch.arange(B, device=src.device), [None] * B
-    for t in range(int(limit.max())):
-        logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
-        best, nxt = logp.max(-1)
-        at_limit = t + 1 >= limit  # the longest output allowed must end here
-        nxt = torch.where(at_limit, cfg.eos_id, nxt)
-        score += torch.where(at_limit, logp[:, cfg.eos_id], best)
-        tokens = torch.cat([tokens, nxt[:, None]], 1)
-        done = nxt == cfg.eos_id
-        if done.any():
-            for i, row, s in zip(active[done].tolist(), tokens[done, 1:-1].tolist(), score[done].tolist()):
-                out[i] = [(row, s)]
-            keep = (~done).nonzero().squeeze(1)
-            if len(keep) == 0:
-                break
-            active, tokens, score, limit = active[keep], tokens[keep], score[keep], limit[keep]
-            memory, src_mask = memory[keep], src_mask[keep]
-            reorder_cache(cache, keep, keep)
-    return out
+    with packed_weights(model):
+        cfg, B = model.cfg, src.size(0)
+        memory, src_mask = model.encode(src)
+        limit = max_lengths(model, src, max_len_a, max_len_b)
+        cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
+        score = torch.zeros(B, device=src.device)
+        active, out = torch.arange(B, device=src.device), [None] * B
+        for t in range(int(limit.max())):
+            logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
+            best, nxt = logp.max(-1)
+            at_limit = t + 1 >= limit  # the longest output allowed must end here
+            nxt = torch.where(at_limit, cfg.eos_id, nxt)
+            score += torch.where(at_limit, logp[:, cfg.eos_id], best)
+            tokens = torch.cat([tokens, nxt[:, None]], 1)
+            done = nxt == cfg.eos_id
+            if done.any():
+                for i, row, s in zip(active[done].tolist(), tokens[done, 1:-1].tolist(), score[done].tolist()):
+                    out[i] = [(row, s)]
+                keep = (~done).nonzero().squeeze(1)
+                if len(keep) == 0:
+                    break
+                active, tokens, score, limit = active[keep], tokens[keep], score[keep], limit[keep]
+                memory, src_mask = memory[keep], src_mask[keep]
+                reorder_cache(cache, keep, keep)
+        return out
 
 
 # Beam search, one step at a time, in four parts (fairseq's rules; B sentences x k beams, V ids):
@@ -369,41 +428,44 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     """Batched over sentences x beams. Returns, for each sentence, the nbest [(tokens, score)]
     sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. A sentence decodes until no live beam
     can enter its nbest (can_stop), not until the first k hypotheses finish."""
-    cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
-    memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
-    limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
-    L = int(limit.max())
-    cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
-    alive = torch.full((B, k), -math.inf, device=dev)
-    alive[:, 0] = 0.0  # all beams start identical: expand only one
-    fin_scores = torch.full((B, k), -math.inf, device=dev)
-    fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
-    # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
-    active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()
-    for t in range(L):
-        if t == 0:  # the k beams of a sentence start identical (BOS): decode one row per sentence
-            logp = next_log_probs(model, tokens[::k], memory, src_mask, cache).repeat_interleave(k, 0)
-        else:
-            logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
-        top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
-        fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
-        alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
-        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)  # after step 0 the cache has one row per sentence
-        done = can_stop(fin_scores, alive, limit, t, alpha, nbest)
-        if done.any():
-            out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
-            keep = (~done).nonzero().squeeze(1)
-            if len(keep) == 0:
-                break
-            rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)
-            active, alive, limit, fin_scores, fin_tokens = (x[keep] for x in (active, alive, limit, fin_scores, fin_tokens))
-            tokens, memory, src_mask = tokens[rows], memory[keep], src_mask[keep]
-            reorder_cache(cache, rows, keep)
-    out = []
-    for toks, scores in zip(out_tokens.tolist(), out_scores.tolist()):
-        hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
-        out.append(hyps[:nbest])
-    return out
+    with packed_weights(model):
+        cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
+        memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
+        limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
+        L = int(limit.max())
+        cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
+        alive = torch.full((B, k), -math.inf, device=dev)
+        alive[:, 0] = 0.0  # all beams start identical: expand only one
+        fin_scores = torch.full((B, k), -math.inf, device=dev)
+        fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
+        # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
+        active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()
+        for t in range(L):
+            if t == 0:  # the k beams of a sentence start identical (BOS): decode one row per sentence
+                logp = next_log_probs(model, tokens[::k], memory, src_mask, cache).repeat_interleave(k, 0)
+            else:
+                logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
+            top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
+            fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
+            alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
+            # After step 0 the cache has one row per sentence.
+            reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)
+            done = can_stop(fin_scores, alive, limit, t, alpha, nbest)
+            if done.any():
+                out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
+                keep = (~done).nonzero().squeeze(1)
+                if len(keep) == 0:
+                    break
+                rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)
+                active, alive, limit = active[keep], alive[keep], limit[keep]
+                fin_scores, fin_tokens = fin_scores[keep], fin_tokens[keep]
+                tokens, memory, src_mask = tokens[rows], memory[keep], src_mask[keep]
+                reorder_cache(cache, rows, keep)
+        out = []
+        for toks, scores in zip(out_tokens.tolist(), out_scores.tolist()):
+            hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
+            out.append(hyps[:nbest])
+        return out
 
 
 def fast_dtype(device_type):

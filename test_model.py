@@ -87,6 +87,24 @@ def test_beams_share_one_copy_of_the_source():
         torch.testing.assert_close(step, repeated[:, t], atol=1e-5, rtol=0)
 
 
+def test_packed_weights_decode_as_the_plain_model_and_are_dropped_on_exit():
+    m = tiny(pre_norm=True)
+    memory, src_mask = m.encode(pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]]))
+    tgt = torch.randint(3, 24, (2, 6))
+    linears = [mod for mod in m.modules() if isinstance(mod, M.Linear)]
+    with torch.no_grad():
+        plain = m.decode(tgt, memory, src_mask)
+        with M.packed_weights(m):
+            if m.packed_embed is None:
+                pytest.skip('this PyTorch build cannot prepack weights for oneDNN')
+            torch.testing.assert_close(m.decode(tgt, memory, src_mask), plain, atol=1e-5, rtol=0)
+            m.packed_embed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(m.embed.weight))
+            assert m.decode(tgt, memory, src_mask).abs().max() == 0  # the packed copy is what it multiplies by
+    assert m.packed_embed is None and all(mod.packed is None for mod in linears)
+    with M.packed_weights(m):  # autograd (training) never takes the packed path
+        assert torch.equal(m.decode(tgt, memory, src_mask), plain)
+
+
 def test_positional_encoding_matches_formula():
     pe = M.sinusoidal_positions(100, 16)
     for pos, i in [(0, 0), (1, 0), (7, 3), (50, 5), (99, 7)]:
@@ -202,9 +220,9 @@ class Scripted(torch.nn.Module):
         return [{'self': {}, 'cross': {}}]
 
     def decode(self, tokens, memory, src_mask, cache):
-        c = cache[0]['self']
-        hist = tokens if 'k' not in c else torch.cat([c['k'][:, 0, :, 0].long(), tokens], 1)
-        c['k'] = c['v'] = hist[:, None, :, None].float()
+        c, new = cache[0]['self'], tokens[:, None, :, None].float()
+        c['k'] = c['v'] = new if 'k' not in c else M.extend(c['k'], new, c.pop('order', None))
+        hist = c['k'][:, 0, :, 0].long()
         probs = [self.table.get(tuple(row[1:]), self.default) for row in hist.tolist()]
         logp = torch.full((len(probs), 6), -math.inf)
         for row, p in enumerate(probs):

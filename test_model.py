@@ -247,6 +247,17 @@ def test_candidates_match_a_sort_over_every_beam_and_token():
     assert torch.equal(beam[finite], (idx // V)[finite]) and torch.equal(tok[finite], (idx % V)[finite])
 
 
+def test_top_tokens_equal_topk():
+    torch.manual_seed(0)
+    logp = F.log_softmax(torch.randn(50, 8 * 97) * 4, -1)
+    logp[:5, :20] = -math.inf
+    logp[5:10, torch.arange(8) * 97 + 3] = torch.arange(8.)  # the 8 best all in one group of columns
+    for n in (1, 8, 97):
+        want, got = logp.topk(n, dim=1), M.top_tokens(logp, n)
+        assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+    assert torch.equal(M.top_tokens(logp[:, :99], 8)[1], logp[:, :99].topk(8, dim=1).indices)  # V not a multiple of 8
+
+
 def test_stopping_early_never_changes_the_nbest(monkeypatch):
     # can_stop ends a sentence once no live beam can enter its nbest: decoding on to the length limit
     # must return the same nbest hypotheses and scores.

@@ -59,8 +59,8 @@ def sinusoidal_positions(max_len, d_model):
 def linear(x, weight, bias=None, packed=None):
     # With a copy of the weight prepacked for oneDNN (packed_weights), where that is the same computation:
     # eager PyTorch multiplies float32 on the CPU with MKL, 1.1-2x slower for decoding on some CPUs (README).
-    if (packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
-            and not torch.is_autocast_enabled('cpu') and not torch.compiler.is_compiling()):
+    if (not torch.compiler.is_compiling() and packed is not None and x.dtype == torch.float32
+            and not torch.is_grad_enabled() and not torch.is_autocast_enabled('cpu')):  # compiling: no guard on packed
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, 'none', [], '')
     return F.linear(x, weight, bias)
 
@@ -265,10 +265,10 @@ def extend(past, new, order=None):
     step's: one copy of the history per step where index_select, then torch.cat, would make two."""
     T = past.size(2)
     out = new.new_empty(new.size(0), new.size(1), T + new.size(2), new.size(3))
-    if order is None:
-        out[:, :, :T] = past
-    else:
+    if order is not None and not torch.compiler.is_compiling():
         torch.index_select(past, 0, order, out=out[:, :, :T])
+    else:  # dynamo cannot trace a strided out=; compiled, the gather fuses into this copy
+        out[:, :, :T] = past if order is None else past[order]
     out[:, :, T:] = new
     return out
 

@@ -105,6 +105,20 @@ def test_packed_weights_decode_as_the_plain_model_and_are_dropped_on_exit():
         assert torch.equal(m.decode(tgt, memory, src_mask), plain)
 
 
+def test_cached_decoding_compiles_as_one_graph():
+    # translate.py --compile compiles decode: a graph break there would leave the step to eager pieces.
+    m = tiny()
+    memory, src_mask = m.encode(pad_batch([[5, 6, 7, EOS], [9, 10, EOS]]))
+    step = torch.compile(m.decode, backend='eager', fullgraph=True, dynamic=True)
+    eager_cache, cache, order = m.new_cache(), m.new_cache(), torch.tensor([1, 0])
+    with torch.no_grad(), M.packed_weights(m):
+        for t in range(3):
+            tok = torch.full((2, 1), 3 + t)
+            torch.testing.assert_close(step(tok, memory, src_mask, cache), m.decode(tok, memory, src_mask, eager_cache))
+            M.reorder_cache(cache, order)
+            M.reorder_cache(eager_cache, order)
+
+
 def test_positional_encoding_matches_formula():
     pe = M.sinusoidal_positions(100, 16)
     for pos, i in [(0, 0), (1, 0), (7, 3), (50, 5), (99, 7)]:

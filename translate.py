@@ -408,7 +408,7 @@ def main(argv=None):
     p.add_argument('--save-average', help="write the averaged checkpoint here")
     p.add_argument('--device', help="cpu, cuda or cuda:N (default: cuda where there is one)")
     p.add_argument('--compile', action='store_true', help="torch.compile the decoder with its weights frozen: "
-                   "a long first batch (about 45 s on 2 CPU cores), then faster (README, Serving)")
+                   "a long first batch (about 75 s on 2 CPU cores), then 1.0-1.1x eager there (README, Serving)")
     p.add_argument('--dtype', choices=['float32', 'bfloat16', 'float16'],
                    help="autocast dtype (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument('--ct2-compute-type', default='default',
@@ -455,8 +455,8 @@ def main(argv=None):
         model, enc, ckpt = load_checkpoint(args.ckpt, args.device)
     if args.compile:
         import torch._inductor.config as inductor
-        # Frozen weights are constants to inductor, which on a CPU hands the linear layers to oneDNN with
-        # prepacked weights; PyTorch's eager float32 matmul is MKL's (README, Serving).
+        # Frozen weights are constants to inductor, which on a CPU prepacks them for oneDNN itself (eager
+        # decoding does the same through model.packed_weights) and fuses the small operations.
         inductor.freezing = True
         model.decode = torch.compile(model.decode, dynamic=True)
     if args.lenpen is None:

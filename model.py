@@ -59,8 +59,9 @@ def sinusoidal_positions(max_len, d_model):
 def linear(x, weight, bias=None, packed=None):
     # With a copy of the weight prepacked for oneDNN (packed_weights), where that is the same computation:
     # eager PyTorch multiplies float32 on the CPU with MKL, 1.1-2x slower for decoding on some CPUs (README).
+    # is_compiling first: compiled code then never guards on (and recompiles for) each call's packed copy.
     if (not torch.compiler.is_compiling() and packed is not None and x.dtype == torch.float32
-            and not torch.is_grad_enabled() and not torch.is_autocast_enabled('cpu')):  # compiling: no guard on packed
+            and not torch.is_grad_enabled() and not torch.is_autocast_enabled('cpu')):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, 'none', [], '')
     return F.linear(x, weight, bias)
 
@@ -428,18 +429,22 @@ def keep_alive(top, src_beam, tok, tokens, eos_id):
     return alive, torch.cat([tokens[beam_idx], tok.gather(1, order).view(-1, 1)], 1), beam_idx
 
 
-def can_stop(fin_scores, alive, limit, t, alpha, nbest):
+def can_stop(fin_scores, alive, limit, t, alpha, nbest, early_stop=False):
     """A sentence is done when its nbest-th finished score beats the best its best live beam can still
     reach (tensor2tensor's rule for the hypotheses returned: log-probabilities only fall, so that is its
-    current log-probability under the largest length penalty it can reach), or at its length limit."""
+    current log-probability under the largest length penalty it can reach), or at its length limit.
+    early_stop: fairseq's and CTranslate2's rule instead, once k hypotheses have finished; fewer steps,
+    and a live beam that would have scored better is lost."""
+    if early_stop:
+        return (fin_scores[:, -1] > -math.inf) | (t + 1 >= limit)
     return (fin_scores[:, nbest - 1] >= alive[:, 0] / length_penalty(limit.float(), alpha)) | (t + 1 >= limit)
 
 
 @torch.no_grad()
-def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbest=1):
+def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbest=1, early_stop=False):
     """Batched over sentences x beams. Returns, for each sentence, the nbest [(tokens, score)]
     sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. A sentence decodes until no live beam
-    can enter its nbest (can_stop), not until the first k hypotheses finish."""
+    can enter its nbest (can_stop), not until the first k hypotheses finish (early_stop=True: until then)."""
     with packed_weights(model):
         cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
         memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
@@ -462,7 +467,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
             alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
             # After step 0 the cache has one row per sentence.
             reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)
-            done = can_stop(fin_scores, alive, limit, t, alpha, nbest)
+            done = can_stop(fin_scores, alive, limit, t, alpha, nbest, early_stop)
             if done.any():
                 out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
                 keep = (~done).nonzero().squeeze(1)

@@ -281,7 +281,7 @@ def test_stopping_early_never_changes_the_nbest(monkeypatch):
     for alpha in (0.0, 0.6, 1.0):
         early = {n: M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=n) for n in (1, 4)}
         with monkeypatch.context() as mp:
-            mp.setattr(M, 'can_stop', lambda fin, alive, limit, t, alpha, nbest: t + 1 >= limit)
+            mp.setattr(M, 'can_stop', lambda fin, alive, limit, t, alpha, nbest, early: t + 1 >= limit)
             full = M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=4)
         for n in (1, 4):  # scores to float precision: the batch shrinks at other steps
             assert [[h for h, _ in hyps[:n]] for hyps in full] == [[h for h, _ in hyps] for hyps in early[n]]
@@ -289,6 +289,15 @@ def test_stopping_early_never_changes_the_nbest(monkeypatch):
     # The first hypothesis to finish ([] at 0.4) is not the best ([3] at 0.6 x 0.9): no stop before it.
     scripted = Scripted({(): {3: .6, EOS: .4}, (3,): {EOS: .9, 4: .1}}, {EOS: .99, 3: .005, 4: .003, 5: .002})
     assert M.beam_search(scripted, torch.tensor([[3, EOS]]), beam=2, alpha=0.0, max_len_b=6)[0][0][0] == [3]
+
+
+def test_early_stop_ends_a_sentence_at_k_finished_hypotheses():
+    # fairseq's and CTranslate2's rule: [] and [3] finish first and end a beam of 2, though [3, 5] scores higher.
+    table = {(): {3: .9, EOS: .06, 4: .04}, (3,): {5: .9, EOS: .1}, (4,): {EOS: 1.0}, (3, 5): {EOS: .9, 4: .1}}
+    scripted, src = Scripted(table, {EOS: .99, 3: .005, 4: .003, 5: .002}), torch.tensor([[3, EOS]])
+    assert M.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6)[0][0][0] == [3, 5]
+    early = M.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6, nbest=2, early_stop=True)[0]
+    assert [h for h, _ in early] == [[3], []]
 
 
 def test_beam_never_keeps_an_eos_candidate_alive():

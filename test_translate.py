@@ -83,12 +83,12 @@ def toy(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def own_decode(toy, line, greedy=False, nbest=1):
+def own_decode(toy, line, greedy=False, nbest=1, early_stop=False):
     """The model's own output for one sentence alone (no batching, no padding)."""
     src = torch.tensor([toy['enc'].encode_ordinary(line) + [toy['cfg'].eos_id]])
     if greedy:
         return M.greedy_decode(toy['model'], src, 1, 50)[0]
-    return M.beam_search(toy['model'], src, 4, 0.6, 1, 50, nbest)[0]
+    return M.beam_search(toy['model'], src, 4, 0.6, 1, 50, nbest, early_stop)[0]
 
 
 def run(args, **kw):
@@ -109,6 +109,17 @@ def test_file_translation_matches_model_beam_in_input_order(toy, tmp_path):
     # The comparison means something only if outputs differ by input: the model has learnt the task.
     assert sum(h == reverse(line) for h, line in zip(expected, toy['lines'])) >= 0.8 * len(expected)
     assert b'sentences/s' in r.stderr and b'target tokens/s' in r.stderr
+
+
+def test_early_stop_flag_decodes_with_model_early_stop(toy, tmp_path):
+    # 4-best lists: the toy's best hypotheses are the same under both stopping rules, its 4-best lists not.
+    out = tmp_path / 'nbest'
+    T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out), '--nbest', '4', '--early-stop'])
+    hyps = [row.split('\t')[1] for row in out.read_text(encoding='utf-8').splitlines()]
+    expected = [[toy['enc'].decode(t) for t, _ in own_decode(toy, line, nbest=4, early_stop=e)] for e in (True, False)
+                for line in toy['lines']]
+    n = len(toy['lines'])
+    assert hyps == [h for group in expected[:n] for h in group] and expected[:n] != expected[n:]
 
 
 def test_greedy_from_stdin_to_stdout_matches_model_greedy_decode(toy):

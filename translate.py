@@ -287,7 +287,7 @@ def source_limit(cfg, max_len_a, max_len_b):
 
 
 def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b=50, max_tokens=4096,
-                    nbest=1, greedy=False, dtype=None, first_line=1, stats=None):
+                    nbest=1, greedy=False, dtype=None, first_line=1, stats=None, early_stop=False):
     """Yields one result per line of `lines`, in input order, each as soon as it and all lines before
     it are decoded: the hypothesis string, or with nbest > 1 a list of (score, string), best first.
     Sources are length-sorted and batched so that a batch holds at most max_tokens (padded) source
@@ -333,7 +333,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                     elif greedy:
                         out = M.greedy_decode(model, src, max_len_a, max_len_b)
                     else:
-                        out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest)
+                        out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, early_stop)
                 done.update(zip(batch, out))
             while nxt < len(lines) and (nxt in done or nxt not in srcs):
                 hyps = done.pop(nxt, [([], 0.0)])
@@ -402,6 +402,8 @@ def main(argv=None):
     p.add_argument('--max-len-b', type=int, default=50)
     p.add_argument('--greedy', action='store_true', help="greedy decoding instead of beam search")
     p.add_argument('--nbest', type=int, default=1, help="N lines 'score<TAB>hypothesis' per input line")
+    p.add_argument('--early-stop', action='store_true', help="end a sentence's beam search once `beam` hypotheses "
+                   "have finished, as fairseq and CTranslate2 do: faster, not exact (README, Serving)")
     p.add_argument('--max-tokens', type=int, default=4096, help="padded source tokens per batch: sentences x the "
                    "longest source incl. EOS (fairseq counts target tokens too); beam search decodes beam x as many")
     p.add_argument('--average-last', type=int, default=0, help="average the newest N ckpt_STEP.pt first")
@@ -463,7 +465,8 @@ def main(argv=None):
         args.lenpen = model.lenpen if ct2 else default_lenpen(ckpt)
     dtype = None if ct2 else getattr(torch, args.dtype or ('bfloat16' if args.device.startswith('cuda') else 'float32'))
     opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype)
+                max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype,
+                early_stop=args.early_stop)
     if args.output:
         out = open(args.output, 'w', encoding='utf-8', newline='\n')
     else:

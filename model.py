@@ -330,7 +330,7 @@ def packed_weights(model):
     are made on entry and dropped on exit, so they never outlive a change to the weights."""
     w = model.embed.weight if isinstance(model, Transformer) else None
     if not (w is not None and w.device.type == 'cpu' and w.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
+            and not torch.is_autocast_enabled('cpu') and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')):  # private ops: where absent, F.linear
         yield
         return

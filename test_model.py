@@ -103,6 +103,8 @@ def test_packed_weights_decode_as_the_plain_model_and_are_dropped_on_exit():
     assert m.packed_embed is None and all(mod.packed is None for mod in linears)
     with M.packed_weights(m):  # autograd (training) never takes the packed path
         assert torch.equal(m.decode(tgt, memory, src_mask), plain)
+    with torch.autocast('cpu', dtype=torch.bfloat16), M.packed_weights(m):  # nor autocast: no copies made
+        assert m.packed_embed is None
 
 
 def test_cached_decoding_compiles_as_one_graph():

@@ -111,10 +111,11 @@ def test_file_translation_matches_model_beam_in_input_order(toy, tmp_path):
     assert b'sentences/s' in r.stderr and b'target tokens/s' in r.stderr
 
 
-def test_early_stop_flag_decodes_with_model_early_stop(toy, tmp_path):
+def test_early_stop_flag_decodes_with_model_early_stop(toy, tmp_path, capsys):
     # 4-best lists: the toy's best hypotheses are the same under both stopping rules, its 4-best lists not.
     out = tmp_path / 'nbest'
     T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out), '--nbest', '4', '--early-stop'])
+    assert 'early stop)' in capsys.readouterr().err  # the summary line says which rule ran
     hyps = [row.split('\t')[1] for row in out.read_text(encoding='utf-8').splitlines()]
     expected = [[toy['enc'].decode(t) for t, _ in own_decode(toy, line, nbest=4, early_stop=e)] for e in (True, False)
                 for line in toy['lines']]

@@ -501,7 +501,8 @@ def main(argv=None):
     print(f"translate.py: {stats['sentences']} sentences in {dt:.1f}s: {stats['sentences'] / dt:.1f} "
           f"sentences/s, {stats['tgt_tokens'] / dt:.0f} target tokens/s ({args.device}, "
           f"{f'CTranslate2 {model.compute_type}' if ct2 else dtype}, "
-          f"{'greedy' if args.greedy else f'beam {args.beam}, lenpen {args.lenpen:g}'})", file=sys.stderr)
+          f"{'greedy' if args.greedy else f'beam {args.beam}, lenpen {args.lenpen:g}'}"
+          f"{', early stop' if args.early_stop and not args.greedy else ''})", file=sys.stderr)
     if refs is not None:
         for name, metric in (('sacreBLEU', BLEU()), ('chrF', CHRF())):
             print(f"{name}: {metric.corpus_score(hyps, [refs])}  ({metric.get_signature()})", file=sys.stderr)

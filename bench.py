@@ -271,7 +271,8 @@ def bench_decode(cfg, src, dtype, beam, device, out_len):
             ('greedy', 'recompute', lambda: greedy_recompute(model, src, 0.0, out_len + 1)),
             (f'beam {beam}', 'model.py', lambda: M.beam_search(model, src, beam, 0.6, 0.0, out_len + 1))]
     rows = []
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+    # Packed weights as translate_lines decodes with (they change nothing for the CT2 rows).
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), T.packed_weights(model):
         for name, how, fn in runs + ct2_runs(model, src, beam, out_len, device):
             fn()  # warm-up: allocator, thread pools
             sync(device)

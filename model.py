@@ -5,7 +5,6 @@ positional encoding (3.4, 3.5), multi-head attention (3.2), the position-wise fe
 (3.3), encoder and decoder stacks (3.1), then the training loss (5.4) and decoding (6.1).
 """
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -57,8 +56,9 @@ def sinusoidal_positions(max_len, d_model):
 
 
 def linear(x, weight, bias=None, packed=None):
-    # With a copy of the weight prepacked for oneDNN (packed_weights), where that is the same computation:
-    # eager PyTorch multiplies float32 on the CPU with MKL, 1.1-2x slower for decoding on some CPUs (README).
+    # With a copy of the weight prepacked for oneDNN (translate.packed_weights), where that is the same
+    # computation: eager PyTorch multiplies float32 on the CPU with MKL, 1.1-2x slower for decoding on some
+    # CPUs (README, Serving).
     # is_compiling first: compiled code then never guards on (and recompiles for) each call's packed copy.
     if (not torch.compiler.is_compiling() and packed is not None and x.dtype == torch.float32
             and not torch.is_grad_enabled() and not torch.is_autocast_enabled('cpu')):
@@ -67,7 +67,7 @@ def linear(x, weight, bias=None, packed=None):
 
 
 class Linear(nn.Linear):
-    packed = None  # set by packed_weights for the duration of a decoding call
+    packed = None  # set by translate.packed_weights for the duration of a decoding call
 
     def forward(self, x):
         return linear(x, self.weight, self.bias, self.packed)
@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    packed_embed = None  # the output projection's packed_weights copy
+    packed_embed = None  # the output projection's translate.packed_weights copy
 
     def __init__(self, cfg):
         super().__init__()
@@ -324,57 +324,34 @@ def next_log_probs(model, tokens, memory, src_mask, cache):
     return logp
 
 
-@contextmanager
-def packed_weights(model):
-    """Within it, a float32 CPU model multiplies with weights prepacked for oneDNN (linear); the copies
-    are made on entry and dropped on exit, so they never outlive a change to the weights."""
-    w = model.embed.weight if isinstance(model, Transformer) else None
-    if not (w is not None and w.device.type == 'cpu' and w.dtype == torch.float32
-            and not torch.is_autocast_enabled('cpu') and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')):  # private ops: where absent, F.linear
-        yield
-        return
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    try:
-        for m in layers:
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight)
-        model.packed_embed = torch.ops.mkldnn._reorder_linear_weight(w)
-        yield
-    finally:
-        for m in layers:
-            m.packed = None
-        model.packed_embed = None
-
-
 @torch.no_grad()
 def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
     """Returns, for each sentence, [(tokens without BOS/EOS, summed log-probability)]. A sentence leaves
     the batch when it ends, so later steps compute only for those still going."""
-    with packed_weights(model):
-        cfg, B = model.cfg, src.size(0)
-        memory, src_mask = model.encode(src)
-        limit = max_lengths(model, src, max_len_a, max_len_b)
-        cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
-        score = torch.zeros(B, device=src.device)
-        active, out = torch.arange(B, device=src.device), [None] * B
-        for t in range(int(limit.max())):
-            logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
-            best, nxt = logp.max(-1)
-            at_limit = t + 1 >= limit  # the longest output allowed must end here
-            nxt = torch.where(at_limit, cfg.eos_id, nxt)
-            score += torch.where(at_limit, logp[:, cfg.eos_id], best)
-            tokens = torch.cat([tokens, nxt[:, None]], 1)
-            done = nxt == cfg.eos_id
-            if done.any():
-                for i, row, s in zip(active[done].tolist(), tokens[done, 1:-1].tolist(), score[done].tolist()):
-                    out[i] = [(row, s)]
-                keep = (~done).nonzero().squeeze(1)
-                if len(keep) == 0:
-                    break
-                active, tokens, score, limit = active[keep], tokens[keep], score[keep], limit[keep]
-                memory, src_mask = memory[keep], src_mask[keep]
-                reorder_cache(cache, keep, keep)
-        return out
+    cfg, B = model.cfg, src.size(0)
+    memory, src_mask = model.encode(src)
+    limit = max_lengths(model, src, max_len_a, max_len_b)
+    cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
+    score = torch.zeros(B, device=src.device)
+    active, out = torch.arange(B, device=src.device), [None] * B
+    for t in range(int(limit.max())):
+        logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
+        best, nxt = logp.max(-1)
+        at_limit = t + 1 >= limit  # the longest output allowed must end here
+        nxt = torch.where(at_limit, cfg.eos_id, nxt)
+        score += torch.where(at_limit, logp[:, cfg.eos_id], best)
+        tokens = torch.cat([tokens, nxt[:, None]], 1)
+        done = nxt == cfg.eos_id
+        if done.any():
+            for i, row, s in zip(active[done].tolist(), tokens[done, 1:-1].tolist(), score[done].tolist()):
+                out[i] = [(row, s)]
+            keep = (~done).nonzero().squeeze(1)
+            if len(keep) == 0:
+                break
+            active, tokens, score, limit = active[keep], tokens[keep], score[keep], limit[keep]
+            memory, src_mask = memory[keep], src_mask[keep]
+            reorder_cache(cache, keep, keep)
+    return out
 
 
 def top_tokens(logp, n):
@@ -445,44 +422,43 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     """Batched over sentences x beams. Returns, for each sentence, the nbest [(tokens, score)]
     sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. A sentence decodes until no live beam
     can enter its nbest (can_stop), not until the first k hypotheses finish (early_stop=True: until then)."""
-    with packed_weights(model):
-        cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
-        memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
-        limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
-        L = int(limit.max())
-        cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
-        alive = torch.full((B, k), -math.inf, device=dev)
-        alive[:, 0] = 0.0  # all beams start identical: expand only one
-        fin_scores = torch.full((B, k), -math.inf, device=dev)
-        fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
-        # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
-        active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()
-        for t in range(L):
-            if t == 0:  # the k beams of a sentence start identical (BOS): decode one row per sentence
-                logp = next_log_probs(model, tokens[::k], memory, src_mask, cache).repeat_interleave(k, 0)
-            else:
-                logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
-            top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
-            fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
-            alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
-            # After step 0 the cache has one row per sentence.
-            reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)
-            done = can_stop(fin_scores, alive, limit, t, alpha, nbest, early_stop)
-            if done.any():
-                out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
-                keep = (~done).nonzero().squeeze(1)
-                if len(keep) == 0:
-                    break
-                rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)
-                active, alive, limit = active[keep], alive[keep], limit[keep]
-                fin_scores, fin_tokens = fin_scores[keep], fin_tokens[keep]
-                tokens, memory, src_mask = tokens[rows], memory[keep], src_mask[keep]
-                reorder_cache(cache, rows, keep)
-        out = []
-        for toks, scores in zip(out_tokens.tolist(), out_scores.tolist()):
-            hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
-            out.append(hyps[:nbest])
-        return out
+    cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
+    memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
+    limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
+    L = int(limit.max())
+    cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
+    alive = torch.full((B, k), -math.inf, device=dev)
+    alive[:, 0] = 0.0  # all beams start identical: expand only one
+    fin_scores = torch.full((B, k), -math.inf, device=dev)
+    fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
+    # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
+    active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()
+    for t in range(L):
+        if t == 0:  # the k beams of a sentence start identical (BOS): decode one row per sentence
+            logp = next_log_probs(model, tokens[::k], memory, src_mask, cache).repeat_interleave(k, 0)
+        else:
+            logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
+        top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
+        fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
+        alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
+        # After step 0 the cache has one row per sentence.
+        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)
+        done = can_stop(fin_scores, alive, limit, t, alpha, nbest, early_stop)
+        if done.any():
+            out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
+            keep = (~done).nonzero().squeeze(1)
+            if len(keep) == 0:
+                break
+            rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)
+            active, alive, limit = active[keep], alive[keep], limit[keep]
+            fin_scores, fin_tokens = fin_scores[keep], fin_tokens[keep]
+            tokens, memory, src_mask = tokens[rows], memory[keep], src_mask[keep]
+            reorder_cache(cache, rows, keep)
+    out = []
+    for toks, scores in zip(out_tokens.tolist(), out_scores.tolist()):
+        hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
+        out.append(hyps[:nbest])
+    return out
 
 
 def fast_dtype(device_type):

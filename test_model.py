@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import model as M
+import translate as T
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -87,33 +88,13 @@ def test_beams_share_one_copy_of_the_source():
         torch.testing.assert_close(step, repeated[:, t], atol=1e-5, rtol=0)
 
 
-def test_packed_weights_decode_as_the_plain_model_and_are_dropped_on_exit():
-    m = tiny(pre_norm=True)
-    memory, src_mask = m.encode(pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]]))
-    tgt = torch.randint(3, 24, (2, 6))
-    linears = [mod for mod in m.modules() if isinstance(mod, M.Linear)]
-    with torch.no_grad():
-        plain = m.decode(tgt, memory, src_mask)
-        with M.packed_weights(m):
-            if m.packed_embed is None:
-                pytest.skip('this PyTorch build cannot prepack weights for oneDNN')
-            torch.testing.assert_close(m.decode(tgt, memory, src_mask), plain, atol=1e-5, rtol=0)
-            m.packed_embed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(m.embed.weight))
-            assert m.decode(tgt, memory, src_mask).abs().max() == 0  # the packed copy is what it multiplies by
-    assert m.packed_embed is None and all(mod.packed is None for mod in linears)
-    with M.packed_weights(m):  # autograd (training) never takes the packed path
-        assert torch.equal(m.decode(tgt, memory, src_mask), plain)
-    with torch.autocast('cpu', dtype=torch.bfloat16), M.packed_weights(m):  # nor autocast: no copies made
-        assert m.packed_embed is None
-
-
 def test_cached_decoding_compiles_as_one_graph():
     # translate.py --compile compiles decode: a graph break there would leave the step to eager pieces.
     m = tiny()
     memory, src_mask = m.encode(pad_batch([[5, 6, 7, EOS], [9, 10, EOS]]))
     step = torch.compile(m.decode, backend='eager', fullgraph=True, dynamic=True)
     eager_cache, cache, order = m.new_cache(), m.new_cache(), torch.tensor([1, 0])
-    with torch.no_grad(), M.packed_weights(m):
+    with torch.no_grad(), T.packed_weights(m):
         for t in range(3):
             tok = torch.full((2, 1), 3 + t)
             torch.testing.assert_close(step(tok, memory, src_mask, cache), m.decode(tok, memory, src_mask, eager_cache))

@@ -315,6 +315,28 @@ def test_bfloat16_autocast_decoding_on_cpu_mostly_agrees_with_float32(toy):
 
 
 @pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc')
+def test_packed_weights_decode_as_the_plain_model_and_are_dropped_on_exit():
+    torch.manual_seed(0)
+    m = M.Transformer(M.Config(vocab_size=24, n_enc_layers=2, n_dec_layers=2, d_model=32, d_ff=64, n_heads=4,
+                               dropout=0.0, pre_norm=True, max_len=64)).eval()
+    memory, src_mask = m.encode(torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, 0, 0]]))
+    tgt = torch.randint(3, 24, (2, 6))
+    linears = [mod for mod in m.modules() if isinstance(mod, M.Linear)]
+    with torch.no_grad():
+        plain = m.decode(tgt, memory, src_mask)
+        with T.packed_weights(m):
+            if m.packed_embed is None:
+                pytest.skip('this PyTorch build cannot prepack weights for oneDNN')
+            torch.testing.assert_close(m.decode(tgt, memory, src_mask), plain, atol=1e-5, rtol=0)
+            m.packed_embed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(m.embed.weight))
+            assert m.decode(tgt, memory, src_mask).abs().max() == 0  # the packed copy is what it multiplies by
+    assert m.packed_embed is None and all(mod.packed is None for mod in linears)
+    with T.packed_weights(m):  # autograd (training) never takes the packed path
+        assert torch.equal(m.decode(tgt, memory, src_mask), plain)
+    with torch.autocast('cpu', dtype=torch.bfloat16), T.packed_weights(m):  # nor autocast: no copies made
+        assert m.packed_embed is None
+
+
 def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
     # A 132 MB tensor freed, then one of 128 MB: glibc's default maps the second afresh (a page fault per
     # 4 kB page); kept in the heap, the second reuses the pages of the first.

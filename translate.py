@@ -16,7 +16,7 @@ import os
 import re
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -85,6 +85,28 @@ def keep_freed_memory():
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # <malloc.h>
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 30))
+
+
+@contextmanager
+def packed_weights(model):
+    """Within it, a float32 CPU model.Transformer multiplies with weights prepacked for oneDNN (model.linear);
+    the copies are made on entry and dropped on exit, so they never outlive a change to the weights."""
+    w = model.embed.weight if isinstance(model, M.Transformer) else None
+    if not (w is not None and w.device.type == 'cpu' and w.dtype == torch.float32
+            and not torch.is_autocast_enabled('cpu') and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')):  # private ops: where absent, F.linear
+        yield
+        return
+    layers = [m for m in model.modules() if isinstance(m, M.Linear)]
+    try:
+        for m in layers:
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight)
+        model.packed_embed = torch.ops.mkldnn._reorder_linear_weight(w)
+        yield
+    finally:
+        for m in layers:
+            m.packed = None
+        model.packed_embed = None
 
 
 def default_lenpen(ckpt):
@@ -326,8 +348,9 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
             if batch:
                 S = len(srcs[batch[0]])
                 src = torch.tensor([srcs[i] + [cfg.pad_id] * (S - len(srcs[i])) for i in batch], device=device)
-                # no_grad and autocast only around the work: a generator must not leak them to the caller.
-                with torch.no_grad(), autocast:
+                # no_grad, autocast and packed weights only around the work: a generator must not leak them
+                # to the caller (who may train the model between two lines).
+                with torch.no_grad(), autocast, packed_weights(model):
                     if isinstance(model, CT2Model):
                         out = model.decode(src, 1 if greedy else beam, alpha, max_len_a, max_len_b, nbest)
                     elif greedy:

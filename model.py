@@ -55,22 +55,23 @@ def sinusoidal_positions(max_len, d_model):
     return pe.float()
 
 
-def linear(x, weight, bias=None, packed=None):
+def linear(x, weight, bias=None, packed=None, relu=False):
     # With a copy of the weight prepacked for oneDNN (translate.packed_weights), where that is the same
     # computation: eager PyTorch multiplies float32 on the CPU with MKL, 1.1-2x slower for decoding on some
-    # CPUs (README, Serving).
+    # CPUs (README, Serving). oneDNN applies the FFN's ReLU as the product is written, not in another pass.
     # is_compiling first: compiled code then never guards on (and recompiles for) each call's packed copy.
     if (not torch.compiler.is_compiling() and packed is not None and x.dtype == torch.float32
             and not torch.is_grad_enabled() and not torch.is_autocast_enabled('cpu')):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, 'none', [], '')
-    return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, 'relu' if relu else 'none', [], '')
+    y = F.linear(x, weight, bias)
+    return F.relu(y) if relu else y
 
 
 class Linear(nn.Linear):
     packed = None  # set by translate.packed_weights for the duration of a decoding call
 
-    def forward(self, x):
-        return linear(x, self.weight, self.bias, self.packed)
+    def forward(self, x, relu=False):
+        return linear(x, self.weight, self.bias, self.packed, relu)
 
 
 class MultiHeadAttention(nn.Module):
@@ -100,8 +101,8 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache['k'], cache['v']  # the source does not change while decoding
             else:
                 k, v = map(self.heads, self.kv_proj(memory).chunk(2, dim=-1))
-                if cache is not None:
-                    cache['k'], cache['v'] = k, v
+                if cache is not None:  # contiguous once, not strided views of the fused product read every step
+                    k, v = cache['k'], cache['v'] = k.contiguous(), v.contiguous()
             # Beam search keeps one copy of each source and its beams in consecutive rows of x: they fold
             # into the query axis, exact because no query masks another, so K and V are never repeated.
             q = self.heads(self.q_proj(x).view(k.size(0), -1, x.size(-1)))
@@ -137,7 +138,7 @@ class FeedForward(nn.Module):
         self.w1, self.w2 = Linear(cfg.d_model, cfg.d_ff), Linear(cfg.d_ff, cfg.d_model)
 
     def forward(self, x):
-        return self.w2(F.relu(self.w1(x)))
+        return self.w2(self.w1(x, relu=True))
 
 
 class Dropout(nn.Dropout):

@@ -337,6 +337,28 @@ def test_packed_weights_decode_as_the_plain_model_and_are_dropped_on_exit():
         assert m.packed_embed is None
 
 
+
+def test_packed_weights_are_reused_until_a_weight_changes():
+    # translate_lines keeps the copies across its batches; a caller may train the model between two lines.
+    torch.manual_seed(0)
+    m = M.Transformer(M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=32, d_ff=64, n_heads=4,
+                               dropout=0.0, max_len=64)).eval()
+    memory, src_mask = m.encode(torch.tensor([[5, 6, 7, 8, 2]]))
+    tgt, reuse = torch.randint(3, 24, (1, 4)), {}
+    with torch.no_grad():
+        with T.packed_weights(m, reuse):
+            if m.packed_embed is None:
+                pytest.skip('this PyTorch build cannot prepack weights for oneDNN')
+            embed, w1 = m.packed_embed, m.decoder[0].ffn.w1.packed
+        with T.packed_weights(m, reuse):
+            assert m.packed_embed is embed and m.decoder[0].ffn.w1.packed is w1  # not packed again
+        m.decoder[0].ffn.w1.weight.mul_(2)  # in place, as an optimizer step
+        plain = m.decode(tgt, memory, src_mask)
+        with T.packed_weights(m, reuse):
+            assert m.packed_embed is embed and m.decoder[0].ffn.w1.packed is not w1
+            torch.testing.assert_close(m.decode(tgt, memory, src_mask), plain, atol=1e-5, rtol=0)
+
+
 def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
     # A 132 MB tensor freed, then one of 128 MB: glibc's default maps the second afresh (a page fault per
     # 4 kB page); kept in the heap, the second reuses the pages of the first.

@@ -88,20 +88,29 @@ def keep_freed_memory():
 
 
 @contextmanager
-def packed_weights(model):
-    """Within it, a float32 CPU model.Transformer multiplies with weights prepacked for oneDNN (model.linear);
-    the copies are made on entry and dropped on exit, so they never outlive a change to the weights."""
+def packed_weights(model, reuse=None):
+    """Within it, a float32 CPU model.Transformer multiplies with weights prepacked for oneDNN (model.linear).
+    The copies are set on entry and removed on exit, so the model never uses them outside it; `reuse`, a dict
+    kept by the caller across calls, keeps them for the next entry, repacking a weight changed in between."""
     w = model.embed.weight if isinstance(model, M.Transformer) else None
     if not (w is not None and w.device.type == 'cpu' and w.dtype == torch.float32
             and not torch.is_autocast_enabled('cpu') and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')):  # private ops: where absent, F.linear
         yield
         return
+    reuse = {} if reuse is None else reuse
+
+    def pack(weight):  # keyed on the storage and its version counter, which every in-place change bumps
+        key = (weight.data_ptr(), weight._version)
+        if reuse.get(id(weight), (None,))[0] != key:
+            reuse[id(weight)] = key, torch.ops.mkldnn._reorder_linear_weight(weight)
+        return reuse[id(weight)][1]
+
     layers = [m for m in model.modules() if isinstance(m, M.Linear)]
     try:
         for m in layers:
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight)
-        model.packed_embed = torch.ops.mkldnn._reorder_linear_weight(w)
+            m.packed = pack(m.weight)
+        model.packed_embed = pack(w)
         yield
     finally:
         for m in layers:
@@ -341,7 +350,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
             stats.setdefault(k, 0)
         stats['sentences'] += len(lines)
         stats['src_tokens'] += sum(map(len, srcs.values()))
-    done, nxt, was_training = {}, 0, model.training
+    done, nxt, was_training, packs = {}, 0, model.training, {}  # packs: packed_weights' across batches
     model.eval()
     try:
         for batch in [[]] + batches:  # the empty first batch emits any leading empty lines at once
@@ -350,7 +359,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                 src = torch.tensor([srcs[i] + [cfg.pad_id] * (S - len(srcs[i])) for i in batch], device=device)
                 # no_grad, autocast and packed weights only around the work: a generator must not leak them
                 # to the caller (who may train the model between two lines).
-                with torch.no_grad(), autocast, packed_weights(model):
+                with torch.no_grad(), autocast, packed_weights(model, packs):
                     if isinstance(model, CT2Model):
                         out = model.decode(src, 1 if greedy else beam, alpha, max_len_a, max_len_b, nbest)
                     elif greedy:

@@ -102,7 +102,8 @@ class MultiHeadAttention(nn.Module):
             else:
                 k, v = map(self.heads, self.kv_proj(memory).chunk(2, dim=-1))
                 if cache is not None:  # contiguous once, not strided views of the fused product read every step
-                    k, v = cache['k'], cache['v'] = k.contiguous(), v.contiguous()
+                    k, v = k.contiguous(), v.contiguous()
+                    cache['k'], cache['v'] = k, v
             # Beam search keeps one copy of each source and its beams in consecutive rows of x: they fold
             # into the query axis, exact because no query masks another, so K and V are never repeated.
             q = self.heads(self.q_proj(x).view(k.size(0), -1, x.size(-1)))
@@ -442,8 +443,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
         top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
         fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
         alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
-        # After step 0 the cache has one row per sentence.
-        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)
+        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)  # after step 0 the cache has one row per sentence
         done = can_stop(fin_scores, alive, limit, t, alpha, nbest, early_stop)
         if done.any():
             out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
@@ -451,8 +451,7 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
             if len(keep) == 0:
                 break
             rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)
-            active, alive, limit = active[keep], alive[keep], limit[keep]
-            fin_scores, fin_tokens = fin_scores[keep], fin_tokens[keep]
+            active, alive, limit, fin_scores, fin_tokens = (x[keep] for x in (active, alive, limit, fin_scores, fin_tokens))
             tokens, memory, src_mask = tokens[rows], memory[keep], src_mask[keep]
             reorder_cache(cache, rows, keep)
     out = []

@@ -314,7 +314,6 @@ def test_bfloat16_autocast_decoding_on_cpu_mostly_agrees_with_float32(toy):
     assert len(bf16) == len(fp32) and sum(a == b for a, b in zip(fp32, bf16)) >= 0.8 * len(fp32)
 
 
-@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc')
 def test_packed_weights_decode_as_the_plain_model_and_are_dropped_on_exit():
     torch.manual_seed(0)
     m = M.Transformer(M.Config(vocab_size=24, n_enc_layers=2, n_dec_layers=2, d_model=32, d_ff=64, n_heads=4,
@@ -335,7 +334,6 @@ def test_packed_weights_decode_as_the_plain_model_and_are_dropped_on_exit():
         assert torch.equal(m.decode(tgt, memory, src_mask), plain)
     with torch.autocast('cpu', dtype=torch.bfloat16), T.packed_weights(m):  # nor autocast: no copies made
         assert m.packed_embed is None
-
 
 
 def test_packed_weights_are_reused_until_a_weight_changes():
@@ -359,6 +357,7 @@ def test_packed_weights_are_reused_until_a_weight_changes():
             torch.testing.assert_close(m.decode(tgt, memory, src_mask), plain, atol=1e-5, rtol=0)
 
 
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc')
 def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
     # A 132 MB tensor freed, then one of 128 MB: glibc's default maps the second afresh (a page fault per
     # 4 kB page); kept in the heap, the second reuses the pages of the first.

@@ -350,7 +350,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
             stats.setdefault(k, 0)
         stats['sentences'] += len(lines)
         stats['src_tokens'] += sum(map(len, srcs.values()))
-    done, nxt, was_training, packs = {}, 0, model.training, {}  # packs: packed_weights' across batches
+    done, nxt, was_training, packs = {}, 0, model.training, {}  # packs: packed_weights' copies, kept across batches
     model.eval()
     try:
         for batch in [[]] + batches:  # the empty first batch emits any leading empty lines at once
@@ -490,7 +490,7 @@ def main(argv=None):
     if args.compile:
         import torch._inductor.config as inductor
         # Frozen weights are constants to inductor, which on a CPU prepacks them for oneDNN itself (eager
-        # decoding does the same through model.packed_weights) and fuses the small operations.
+        # decoding does the same through packed_weights) and fuses the small operations.
         inductor.freezing = True
         model.decode = torch.compile(model.decode, dynamic=True)
     if args.lenpen is None:

@@ -50,11 +50,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def train(args, out_dir, data_dir, nproc=1, ok=True, launcher=None):
+def train(args, out_dir, data_dir, nproc=1, ok=True, launcher=None, env=()):
     launcher = launcher or ([sys.executable] if nproc == 1 else [
         sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', f'--master_port={free_port()}'])
     cmd = launcher + ['train.py'] + TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}'] + args
-    env = dict(os.environ, OMP_NUM_THREADS='1')
+    env = dict(os.environ, OMP_NUM_THREADS='1', **dict(env))
     res = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=env)
     if ok:
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -96,6 +96,36 @@ def test_ddp_two_processes_equal_one_process_with_update_freq_2(data_dir, tmp_pa
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
     (va,), (vb,) = records(tmp_path / 'one', 'valid_bleu'), records(tmp_path / 'two', 'valid_bleu')
     assert va['valid_bleu'] == vb['valid_bleu'] and va['valid_loss'] == pytest.approx(vb['valid_loss'], rel=1e-5)
+
+
+# Loaded by each rank's interpreter (PYTHONPATH): just before the process group goes, a collective whose
+# completion callback keeps a Gloo worker thread waiting for the interpreter to shut down, as a worker that is
+# still releasing the last collective's tensors at that moment does by chance.
+HOLD_A_GLOO_THREAD = """
+import os
+if 'RANK' in os.environ:  # torchrun's workers, not its launcher
+    import sys, time
+    import torch, torch.distributed as dist
+    destroy, groups = dist.destroy_process_group, []
+    def wait_for_shutdown(_, finalizing=sys.is_finalizing, sleep=time.sleep):
+        while not finalizing():
+            sleep(0.01)
+    def hold_a_gloo_thread_then_destroy(*args, **kwargs):
+        groups.append(dist.new_group(backend='gloo'))  # kept, as DDP keeps the default group: not joined
+        work = dist.all_reduce(torch.ones(1), group=groups[-1], async_op=True)
+        work.get_future().then(wait_for_shutdown)
+        destroy(*args, **kwargs)
+    dist.destroy_process_group = hold_a_gloo_thread_then_destroy
+"""
+
+
+def test_ddp_run_exits_cleanly_while_a_gloo_thread_still_needs_python(data_dir, tmp_path):
+    # Without care the rank aborts (SIGABRT, 'terminate called without an active exception') after its run
+    # finished: torchrun reports the run failed.
+    (tmp_path / 'sitecustomize.py').write_text(HOLD_A_GLOO_THREAD)
+    res = train(['--max_steps=2', '--dtype=float32'], tmp_path / 'run', data_dir, nproc=2,
+                env={'PYTHONPATH': str(tmp_path)})
+    assert 'done: step 2' in res.stdout and os.path.exists(tmp_path / 'run' / 'ckpt.pt')
 
 
 def test_weight_snapshots_hold_no_optimizer_state_and_few_full_states_are_kept(data_dir, tmp_path):

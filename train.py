@@ -480,3 +480,8 @@ log(f"done: step {step}, {(time.time() - t_start) / 60:.1f} min{bleu_note}")
 if ddp:
     dist.barrier()  # no rank tears down its process group while another still uses it
     dist.destroy_process_group()
+    # A Gloo worker thread can still be releasing the last collective's tensors, which takes the interpreter
+    # lock; if Python is shutting down by then, the process aborts ("terminate called without an active
+    # exception", SIGABRT) after a run that finished. Everything is written, so leave without that shutdown.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)

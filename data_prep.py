@@ -310,6 +310,14 @@ def load_split(data_dir, split):
             sides.append(np.fromfile(os.path.join(data_dir, f'{split}.{lang}.idx'), dtype=np.int64))
     except (OSError, ValueError, KeyError) as e:
         sys.exit(f'error: {data_dir} is incomplete or damaged ({split}: {e}): prepare it again with data_prep.py')
+    # A truncated .bin would otherwise load, and batches would read past its end (collate clamps).
+    for lang, tokens, offsets in ((meta['src'], *sides[:2]), (meta['tgt'], *sides[2:])):
+        if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any():
+            sys.exit(f'error: {data_dir} is incomplete or damaged ({split}.{lang}.idx does not match the '
+                     f'{len(tokens)} tokens of {split}.{lang}.bin): prepare it again with data_prep.py')
+    if len(sides[1]) != len(sides[3]):
+        sys.exit(f'error: {data_dir} is incomplete or damaged ({split}: {len(sides[1]) - 1} {meta["src"]} and '
+                 f'{len(sides[3]) - 1} {meta["tgt"]} sentences): prepare it again with data_prep.py')
     return tuple(sides)
 
 
@@ -582,7 +590,10 @@ def main(argv=None):
     p.add_argument('--workers', type=int, default=cores, help='threads for BPE training and encoding (all cores)')
     p.add_argument('--download-dir', default=os.path.join('data', 'downloads'), help='where downloads are kept')
     p.add_argument('--force', action='store_true', help='redo even if OUT is already prepared with these settings')
-    return prepare(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.src == args.tgt:  # the two sides would be written into one file
+        p.error(f'--src and --tgt are both {args.src!r}')
+    return prepare(args)
 
 
 if __name__ == '__main__':

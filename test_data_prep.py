@@ -278,6 +278,14 @@ def test_mirror_folder_file_not_matching_the_checksum_table_is_an_error(tmp_path
     assert 'train.en.gz' in str(e.value) and 'expected 568929' in str(e.value)
 
 
+def test_same_language_on_both_sides_is_refused(tmp_path, capsys):
+    (tmp_path / 'train.xx').write_text('a b\n')
+    with pytest.raises(SystemExit):
+        data_prep.main(['custom', '--train', str(tmp_path / 'train'), '--src', 'xx', '--tgt', 'xx',
+                        '--out', str(tmp_path / 'out')])
+    assert "--src and --tgt are both 'xx'" in capsys.readouterr().err and not (tmp_path / 'out').exists()
+
+
 def test_rerun_with_same_settings_is_skipped_and_other_settings_redo(tmp_path, capsys):
     root = tmp_path
     write_custom(root, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})

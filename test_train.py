@@ -146,6 +146,15 @@ def test_fresh_run_into_a_used_out_dir_is_refused_unless_overwrite(data_dir, tmp
     assert translate.checkpoints(str(tmp_path)) == [str(tmp_path / 'ckpt_0000003.pt')]
 
 
+def test_overwrite_deletes_the_old_run_only_once_every_input_has_loaded(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=1'], tmp_path, data_dir)
+    train(['--max_steps=1', '--overwrite=True'], tmp_path, tmp_path / 'typo', ok=False)
+    assert len(records(tmp_path, 'loss')) == 2 and os.path.exists(tmp_path / 'ckpt.pt')
+    # fine-tuning from this out_dir's own checkpoint into it, starting over
+    train(['--max_steps=1', '--overwrite=True', f'--init_from={tmp_path / "ckpt.pt"}'], tmp_path, data_dir)
+    assert [r['step'] for r in records(tmp_path, 'loss')] == [1]
+
+
 def test_resume_or_fine_tune_with_another_tokenizer_is_refused(data_dir, other_data_dir, tmp_path):
     assert json.load(open(os.path.join(data_dir, 'meta.json')))['vocab_size'] == \
         json.load(open(os.path.join(other_data_dir, 'meta.json')))['vocab_size']
@@ -192,6 +201,16 @@ def test_incomplete_data_dir_is_a_one_line_error(data_dir, tmp_path):
     os.remove(tmp_path / 'data' / 'train.xx.bin')
     res = train(['--max_steps=1'], tmp_path / 'run', tmp_path / 'data', ok=False)
     assert 'is incomplete or damaged (train' in res.stderr and 'train.xx.bin' in res.stderr
+    shutil.copy(os.path.join(data_dir, 'train.xx.bin'), tmp_path / 'data')
+    with open(tmp_path / 'data' / 'train.yy.bin', 'r+b') as f:  # cut short: its .idx points past the end
+        f.truncate(os.path.getsize(tmp_path / 'data' / 'train.yy.bin') // 2)
+    res = train(['--max_steps=1'], tmp_path / 'run', tmp_path / 'data', ok=False)
+    assert 'train.yy.idx does not match' in res.stderr and 'train.yy.bin' in res.stderr
+
+
+def test_sentence_longer_than_max_len_is_a_one_line_error_before_training(data_dir, tmp_path):
+    res = train(['--max_steps=1', '--max_len=8'], tmp_path, data_dir, ok=False)
+    assert "but the model's max_len is 8" in res.stderr and 'step 1 ' not in res.stdout
 
 
 def test_max_tokens_below_every_pair_says_how_far_to_raise_it(data_dir, tmp_path):
@@ -323,6 +342,18 @@ def test_unknown_key_in_config_file_is_named(tmp_path):
     cfg.write_text('d_model = 256\nlearning_rate = 1e-3\n')
     res = subprocess.run([sys.executable, 'train.py', str(cfg)], cwd=HERE, capture_output=True, text=True)
     assert res.returncode != 0 and "unknown setting 'learning_rate'" in res.stderr and str(cfg) in res.stderr
+
+
+def test_config_file_mistakes_name_the_file_and_line(tmp_path):
+    (tmp_path / 'folder.py').mkdir()
+    for name, text, message in [('syntax.py', 'd_model = 256\nlr = (1e-3\n', 'line 2: SyntaxError'),
+                                ('name.py', 'd_model = 256\n\nd_ff = 4 * dmodel\n', "line 3: NameError: name 'dmodel'"),
+                                ('folder.py', None, 'Is a directory')]:
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        res = subprocess.run([sys.executable, 'train.py', str(tmp_path / name)], cwd=HERE, capture_output=True, text=True)
+        assert res.returncode != 0 and 'Traceback' not in res.stderr, res.stderr
+        assert f'config file {tmp_path / name}' in res.stderr and message in res.stderr, res.stderr
 
 
 def test_average_of_three_checkpoints_is_the_mean(tmp_path):

@@ -7,6 +7,7 @@ Settings below are defaults; a config file overrides them, then --key=value over
 $ python train.py config/multi30k.py --max_steps=2000 --dtype=float32
 """
 import ast
+import builtins
 import contextlib
 import datetime
 import json
@@ -15,6 +16,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -100,7 +102,15 @@ def override(config, args):
             if not os.path.exists(arg):
                 sys.exit(f"config file {arg} not found")
             scope = {}
-            exec(open(arg).read(), {}, scope)
+            try:
+                with open(arg, encoding='utf-8') as f:
+                    exec(builtins.compile(f.read(), arg, 'exec'), {}, scope)  # compile: also a setting here
+            except OSError as e:
+                sys.exit(f"config file {arg}: {e.strerror}")
+            except Exception as e:  # the file's own mistake: its line, not a traceback through train.py
+                lines = [e.lineno] if isinstance(e, SyntaxError) else \
+                    [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
+                sys.exit(f"config file {arg}{f', line {lines[-1]}' if lines else ''}: {type(e).__name__}: {e}")
             for key, value in scope.items():
                 if not key.startswith('_'):
                     check(key, value, arg)
@@ -185,11 +195,6 @@ if init_from != 'resume' and run_files:
         sys.exit(f"out_dir {out_dir} already holds a run ({', '.join(run_files[:4])}{', ...' if len(run_files) > 4 else ''}):"
                  f" continue it with --init_from=resume, train into another --out_dir, or start over with "
                  f"--overwrite=True (deletes them)")
-    if master:
-        for f in run_files:
-            os.remove(os.path.join(out_dir, f))
-    if ddp:
-        dist.barrier()
 
 # -----------------------------------------------------------------------------------------------
 # data: the token files data_prep.py writes
@@ -237,6 +242,16 @@ if state is not None and state['tokenizer'] != tokenizer:
     sys.exit(f"{init_path} was trained with another tokenizer than {data_dir}/tokenizer.json: its token ids "
              f"would mean other words; train on data prepared with its tokenizer "
              f"(it came from {state.get('data_dir', 'an unknown data_dir')})")
+if init_from != 'resume' and run_files:
+    # --overwrite: the old run goes only now that every input has loaded (a typo in data_dir, or fine-tuning
+    # from this out_dir's own ckpt.pt, must not cost it), and only after every rank has listed it.
+    if ddp:
+        dist.barrier()
+    if master:
+        for f in run_files:
+            os.remove(os.path.join(out_dir, f))
+    if ddp:
+        dist.barrier()
 if state is not None:
     log(f"{'resuming' if init_from == 'resume' else 'fine-tuning'} from {init_path} (step {state.get('step', '?')})")
     # The architecture is the checkpoint's; dropout is a training setting, so a fine-tune may change it.
@@ -247,6 +262,11 @@ else:
     # Round the vocabulary up to a multiple of 8 so the output matmul maps onto tensor cores.
     model_cfg = M.Config(**{f.name: config[f.name] for f in fields(M.Config) if f.name in config},
                          vocab_size=(meta['vocab_size'] + 7) // 8 * 8, pad_id=PAD, bos_id=BOS, eos_id=EOS)
+# Positions past max_len have no encoding: a longer sentence would stop the run at the first batch holding it.
+longest = max(int(np.diff(d[i]).max(initial=0)) for d in (train_data, valid_data) for i in (1, 3)) + 1  # + EOS or BOS
+if longest > model_cfg.max_len:
+    sys.exit(f"{data_dir} has a sentence of {longest} tokens (with EOS or BOS) but the model's max_len is "
+             f"{model_cfg.max_len}: raise max_len, or leave long training pairs out (data_prep.py --max-len)")
 raw_model = M.Transformer(model_cfg).to(device)
 # Fused Adam (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync.
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,

@@ -226,6 +226,35 @@ def test_ref_with_the_reference_as_hypothesis_gives_bleu_100(toy, tmp_path):
     assert 'chrF2 = 100.00' in err and 'paper BLEU' in err and err.count('BLEU = 100.00') == 2
 
 
+def test_ref_of_an_empty_input_or_of_typed_lines_is_a_clear_message(toy, tmp_path, capsys, monkeypatch):
+    (tmp_path / 'empty').write_text('')
+    T.main(['--ckpt', toy['ckpt'], '--input', str(tmp_path / 'empty'), '--ref', str(tmp_path / 'empty')])
+    assert 'is empty: nothing to score' in capsys.readouterr().err
+    monkeypatch.setattr(sys, 'stdin', type('Terminal', (), {'isatty': lambda self: True})())
+    with pytest.raises(SystemExit):
+        T.main(['--ckpt', toy['ckpt'], '--ref', toy['src']])
+    assert '--ref scores a whole --input' in capsys.readouterr().err
+
+
+def test_output_file_appears_only_when_complete(toy, tmp_path, monkeypatch):
+    out = tmp_path / 'hyp'
+    out.write_text('the previous translation\n')
+
+    def stopped(model, enc, lines, **kw):  # one line out, then the run dies
+        yield 'first'
+        raise KeyboardInterrupt
+    monkeypatch.setattr(T, 'translate_lines', stopped)
+    with pytest.raises(KeyboardInterrupt):
+        T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out)])
+    assert out.read_text() == 'the previous translation\n' and (tmp_path / 'hyp.tmp').read_text() == 'first\n'
+    monkeypatch.undo()
+    T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out)])
+    assert len(out.read_text().splitlines()) == len(toy['lines']) and not (tmp_path / 'hyp.tmp').exists()
+    with pytest.raises(SystemExit) as e:  # before the model loads
+        T.main(['--ckpt', str(tmp_path / 'missing.pt'), '--input', toy['src'], '--output', str(tmp_path / 'no' / 'hyp')])
+    assert f"--output {tmp_path / 'no' / 'hyp'}: No such file or directory" in str(e.value)
+
+
 def test_bleu_of_a_known_pair_equals_sacrebleu_and_the_formula():
     hyps, refs = ['the cat sat on the mat'], ['the cat sat on a mat']
     score = T.bleu(hyps, refs).score
@@ -263,6 +292,9 @@ def test_average_checkpoints_is_the_elementwise_mean_of_the_newest_by_step(toy, 
     for k, v in avg.items():
         assert torch.equal(saved['model'][k], v)
     assert len((tmp_path / 'out.txt').read_text().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:  # found[-n:] with a negative n took the oldest
+        T.newest_checkpoints(str(tmp_path), -2)
+    assert '--average-last -2: must be at least 1' in str(e.value)
     # Low-precision weights are summed in float64 and come back in their own dtype.
     for i, w in enumerate([1.0, 2.0, 4.0]):
         torch.save({'model': {'w': torch.full((3,), w, dtype=torch.bfloat16)}}, tmp_path / f'b{i}.pt')

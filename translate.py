@@ -181,6 +181,8 @@ def checkpoints(folder, prefix='ckpt'):
 
 
 def newest_checkpoints(path, n):
+    if n < 1:  # found[-n:] would quietly take the oldest
+        fail(f"--average-last {n}: must be at least 1")
     folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
     found = checkpoints(folder)
     if not found:
@@ -470,6 +472,14 @@ def main(argv=None):
     if args.device.startswith('cuda') and not ct2 and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no GPU available")
     interactive = args.input is None and sys.stdin.isatty()
+    if interactive and args.ref:
+        p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
+    if args.output:  # before the model loads: a path that cannot be written fails at once
+        try:
+            open(args.output + '.tmp', 'w').close()
+            os.remove(args.output + '.tmp')
+        except OSError as e:
+            fail(f"--output {args.output}: {e.strerror}")
     lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
     refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
     if refs is not None and lines is not None and len(refs) != len(lines):
@@ -499,8 +509,8 @@ def main(argv=None):
     opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                 max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype,
                 early_stop=args.early_stop)
-    if args.output:
-        out = open(args.output, 'w', encoding='utf-8', newline='\n')
+    if args.output:  # a temporary name until complete: a stopped run leaves no finished-looking file
+        out = open(args.output + '.tmp', 'w', encoding='utf-8', newline='\n')
     else:
         sys.stdout.reconfigure(encoding='utf-8', newline='\n')
         out = sys.stdout
@@ -521,21 +531,25 @@ def main(argv=None):
                 out.flush()
         except KeyboardInterrupt:
             pass
-        return
-
-    stats, hyps, t0 = {}, [], time.time()
-    for result in translate_lines(model, enc, lines, stats=stats, **opts):
-        hyps.append(write(result))
-        out.flush()  # streaming: each line is visible as soon as it and those before it are done
-    dt = max(time.time() - t0, 1e-9)
+    else:
+        stats, hyps, t0 = {}, [], time.time()
+        for result in translate_lines(model, enc, lines, stats=stats, **opts):
+            hyps.append(write(result))
+            out.flush()  # streaming: each line is visible as soon as it and those before it are done
+        dt = max(time.time() - t0, 1e-9)
     if out is not sys.stdout:
         out.close()
+        os.replace(args.output + '.tmp', args.output)
+    if interactive:
+        return
     print(f"translate.py: {stats['sentences']} sentences in {dt:.1f}s: {stats['sentences'] / dt:.1f} "
           f"sentences/s, {stats['tgt_tokens'] / dt:.0f} target tokens/s ({args.device}, "
           f"{f'CTranslate2 {model.compute_type}' if ct2 else dtype}, "
           f"{'greedy' if args.greedy else f'beam {args.beam}, lenpen {args.lenpen:g}'}"
           f"{', early stop' if args.early_stop and not args.greedy else ''})", file=sys.stderr)
-    if refs is not None:
+    if refs is not None and not hyps:
+        warn(f"{args.input or '<stdin>'} is empty: nothing to score")
+    elif refs is not None:
         for name, metric in (('sacreBLEU', BLEU()), ('chrF', CHRF())):
             print(f"{name}: {metric.corpus_score(hyps, [refs])}  ({metric.get_signature()})", file=sys.stderr)
         if args.paper_bleu:

@@ -155,6 +155,17 @@ def test_overwrite_deletes_the_old_run_only_once_every_input_has_loaded(data_dir
     assert [r['step'] for r in records(tmp_path, 'loss')] == [1]
 
 
+def test_ddp_overwrite_waits_for_every_rank_to_list_the_old_run(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=1'], tmp_path / 'run', data_dir)
+    (tmp_path / 'sitecustomize.py').write_text(  # rank 1 looks at out_dir 3 s after rank 0
+        "import os, time\nif os.environ.get('RANK') == '1':\n    listdir = os.listdir\n"
+        "    def late(path='.'):\n        if 'run' in str(path): time.sleep(3)\n        return listdir(path)\n"
+        "    os.listdir = late\n")
+    train(['--max_steps=1', '--overwrite=True', '--ddp_timeout_minutes=0.5'], tmp_path / 'run', data_dir, nproc=2,
+          env={'PYTHONPATH': str(tmp_path)})
+    assert [r['step'] for r in records(tmp_path / 'run', 'loss')] == [1]
+
+
 def test_resume_or_fine_tune_with_another_tokenizer_is_refused(data_dir, other_data_dir, tmp_path):
     assert json.load(open(os.path.join(data_dir, 'meta.json')))['vocab_size'] == \
         json.load(open(os.path.join(other_data_dir, 'meta.json')))['vocab_size']

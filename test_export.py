@@ -59,6 +59,16 @@ def test_float32_export_decodes_as_model_py(toys, pre_norm):
     for a, b in zip(ours, theirs):
         if a[0][1] == b[0][1]:
             assert b[0][0] == pytest.approx(a[0][0], abs=5e-3)
+    # Under caps that cut them, the hypotheses both return score the same: EOS's log-probability counted.
+    ours, theirs = both(nbest=2, max_len_a=0.5, max_len_b=1)
+    same = 0
+    for a, b in zip(ours, theirs):
+        score = {text: s for s, text in b}
+        for s, text in a:
+            if text in score:
+                assert score[text] == pytest.approx(s, abs=5e-3), text
+                same += 1
+    assert same >= len(lines)
 
 
 def test_int8_export_translates_nearly_as_float32(toys, tmp_path):

@@ -274,22 +274,30 @@ class CT2Model:
                 length_penalty=alpha if beam > 1 else 0, max_decoding_length=steps, min_decoding_length=0,
                 max_input_length=0, return_scores=True, return_end_token=True,
                 suppress_sequences=[['<pad>'], ['<s>']])
-            redo = {}
+            redo, finished = {}, []
             for i, r in zip(group, results):
                 # Search finished on the step its longest hypothesis ended; before this sentence's own last
                 # step, a shorter cap would have found the same.
                 if limit[i] - 1 < steps and max(map(len, r.hypotheses)) >= limit[i] - 1:
                     redo.setdefault(limit[i], []).append(i)
                 else:
-                    out[i] = self.rerank(r, beam, alpha)[:nbest]
+                    finished.append((i, r))
+            # At the cap CTranslate2 ends a hypothesis without EOS, and its score lacks EOS's log-probability,
+            # which model.py forces there and counts: those are scored again, score_batch appending EOS.
+            capped = [(i, h) for i, r in finished for h in r.hypotheses if h[-1:] != ['</s>']]
+            scored = self.translator.score_batch([rows[i] for i, _ in capped], [h for _, h in capped],
+                                                 max_input_length=0) if capped else []
+            logp = {(i, tuple(h)): sum(s.log_probs) for (i, h), s in zip(capped, scored)}
+            for i, r in finished:
+                out[i] = self.rerank(r, beam, alpha, {h: v for (j, h), v in logp.items() if j == i})[:nbest]
             groups += redo.values()
         return out
 
-    def rerank(self, result, beam, alpha):
+    def rerank(self, result, beam, alpha, capped_logp):
         hyps = []
         for toks, score in zip(result.hypotheses, result.scores):
             ids = [self.ids[t] for t in toks]
-            logp = score * len(ids) ** alpha if beam > 1 else score
+            logp = capped_logp.get(tuple(toks), score * len(ids) ** alpha if beam > 1 else score)
             if ids and ids[-1] == self.cfg.eos_id:
                 ids.pop()
             # |Y| counts EOS, also where the cap cut the hypothesis before it (model.py forces one there).

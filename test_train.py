@@ -292,6 +292,23 @@ def load_get_lr(**settings):
     return load_function('get_lr', sys=sys, **{'cooldown': 0.0, 'max_minutes': 0.0, 'max_steps': 10 ** 6, **settings})
 
 
+def test_resumed_run_counts_the_training_time_already_spent(data_dir, tmp_path):
+    train(['--max_steps=3', '--save_interval=3'], tmp_path, data_dir)
+    state = torch.load(tmp_path / 'state_0000003.pt', weights_only=False)
+    assert 0 < state['elapsed'] < 300
+    torch.save({**state, 'elapsed': 600.0}, tmp_path / 'state_0000003.pt')  # as if it had trained 10 minutes
+    res = train(['--max_steps=50', '--max_minutes=5.0', '--init_from=resume'], tmp_path, data_dir)
+    assert 'max_minutes=5.0 reached at step 4' in res.stdout
+
+
+def test_resume_with_another_architecture_or_optimizer_setting_is_refused(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=2'], tmp_path, data_dir)
+    for arg in ('--d_model=64', '--weight_decay=0.1', '--dropout=0.3'):
+        res = train(['--max_steps=4', '--init_from=resume', arg], tmp_path, data_dir, ok=False)
+        assert arg[2:] in res.stderr and "(the run's:" in res.stderr and '--init_from=' in res.stderr
+    train(['--max_steps=4', '--init_from=resume', '--log_interval=2'], tmp_path, data_dir)  # not fixed by the state
+
+
 def test_noam_schedule_matches_paper_formula():
     class Cfg:
         d_model = 512

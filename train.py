@@ -62,7 +62,7 @@ max_len = 1024
 max_tokens = 4096            # padded source or target tokens per GPU per micro-step
 update_freq = 1              # micro-steps accumulated per update: N GPUs ~ 1 GPU with update_freq N
 max_steps = 100000
-max_minutes = 0.0            # also stop after this much wall time (0 = no limit)
+max_minutes = 0.0            # also stop after this much training time, resumed runs' included (0 = no limit)
 schedule = 'noam'            # 'noam': the paper's formula; 'inverse_sqrt': fairseq's linear warmup to lr
 lr = 5e-4                    # peak learning rate of 'inverse_sqrt'
 lr_scale = 1.0               # multiplier on the 'noam' formula
@@ -252,6 +252,14 @@ if init_from != 'resume' and run_files:
             os.remove(os.path.join(out_dir, f))
     if ddp:
         dist.barrier()
+if init_from == 'resume':  # the saved architecture and optimizer state win: a different setting would be ignored
+    fixed = [f.name for f in fields(M.Config) if f.name in config] + ['beta1', 'beta2', 'adam_eps', 'weight_decay']
+    changed = [f"{k}={config[k]!r} (the run's: {state['config'][k]!r})" for k in fixed
+               if k in state.get('config', {}) and config[k] != state['config'][k]]
+    if changed:
+        sys.exit(f"init_from='resume' continues {out_dir} as it was trained, but these settings differ from "
+                 f"its own: {', '.join(changed)}; drop them, or start a new run from its weights with "
+                 f"--init_from={os.path.join(out_dir, 'ckpt.pt')}")
 if state is not None:
     log(f"{'resuming' if init_from == 'resume' else 'fine-tuning'} from {init_path} (step {state.get('step', '?')})")
     # The architecture is the checkpoint's; dropout is a training setting, so a fine-tune may change it.
@@ -272,13 +280,14 @@ raw_model = M.Transformer(model_cfg).to(device)
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                              weight_decay=weight_decay, fused=True)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
-step, epoch, batch_idx, best_bleu = 0, 0, 0, -1.0
+step, epoch, batch_idx, best_bleu, elapsed = 0, 0, 0, -1.0, 0.0
 if state is not None:
     raw_model.load_state_dict(state['model'])
 if init_from == 'resume':
     optimizer.load_state_dict(state['optimizer'])
     scaler.load_state_dict(state['scaler'])
     step, epoch, batch_idx, best_bleu = state['step'], state['epoch'], state['batch_idx'], state['best_bleu']
+    elapsed = state.get('elapsed', 0.0)  # max_minutes and the cooldown count the run's training time so far
     if len(state['rng']) == world:  # every rank's own generator: dropout masks continue as if never stopped
         torch.set_rng_state(state['rng'][rank]['cpu'])
         if device_type == 'cuda' and state['rng'][rank]['cuda'] is not None:
@@ -367,7 +376,7 @@ def save(path, full=False):
         rng = gather({'cpu': torch.get_rng_state(),
                       'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch,
-                    batch_idx=batch_idx, best_bleu=best_bleu, rng=rng)
+                    batch_idx=batch_idx, best_bleu=best_bleu, rng=rng, elapsed=clock)
     if master:
         translate.save_atomic(ckpt, path)
 
@@ -407,8 +416,9 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
 plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
 log(f"{len(plan):,} batches this epoch; ready to train {time.time() - t_process:.1f}s after start")
 per_update = world * update_freq
-t_start = t_last = last_save = time.time()
-tokens_since, clock = 0, 0.0  # clock: the elapsed seconds all ranks agree on
+t_last = last_save = time.time()
+t_start = t_last - elapsed
+tokens_since, clock = 0, elapsed  # clock: the elapsed seconds all ranks agree on
 # Kept on the device and read only at log steps: a .item() per step would stall the GPU queue.
 loss_acc, nll_acc = torch.zeros((), device=device), torch.zeros((), device=device)
 streak, worst_streak, skipped = (torch.zeros((), device=device) for _ in range(3))

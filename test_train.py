@@ -309,6 +309,11 @@ def test_resume_with_another_architecture_or_optimizer_setting_is_refused(data_d
     train(['--max_steps=4', '--init_from=resume', '--log_interval=2'], tmp_path, data_dir)  # not fixed by the state
 
 
+def test_bleu_interval_is_kept_without_loss_evaluations(data_dir, tmp_path):
+    train(['--max_steps=4', '--eval_interval=0', '--bleu_interval=2'], tmp_path, data_dir)
+    assert [r['step'] for r in records(tmp_path, 'valid_bleu')] == [2, 4]
+
+
 def test_noam_schedule_matches_paper_formula():
     class Cfg:
         d_model = 512

@@ -491,7 +491,8 @@ while step < max_steps:
             logfile.flush()
         tokens_since = 0
         loss_acc.zero_(), nll_acc.zero_(), worst_streak.zero_(), skipped.zero_()
-    if eval_interval and step % eval_interval == 0 and step != max_steps:
+    if ((eval_interval and step % eval_interval == 0) or (bleu_interval > 0 and step % bleu_interval == 0)) \
+            and step != max_steps:
         evaluate()
     if (save_interval and step % save_interval == 0) or save_due or step == max_steps:
         checkpoint()

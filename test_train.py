@@ -94,6 +94,8 @@ def test_ddp_two_processes_equal_one_process_with_update_freq_2(data_dir, tmp_pa
     a, b = final_params(tmp_path / 'one', 4), final_params(tmp_path / 'two', 4)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
+    # The logged training loss too: over both ranks' tokens, not rank 0's times two.
+    assert train_losses(tmp_path / 'two') == pytest.approx(train_losses(tmp_path / 'one'), rel=1e-5)
     (va,), (vb,) = records(tmp_path / 'one', 'valid_bleu'), records(tmp_path / 'two', 'valid_bleu')
     assert va['valid_bleu'] == vb['valid_bleu'] and va['valid_loss'] == pytest.approx(vb['valid_loss'], rel=1e-5)
 

@@ -470,6 +470,10 @@ while step < max_steps:
         log(f"max_minutes={max_minutes} reached at step {step}")
         max_steps = step
     if step % log_interval == 0 or step == max_steps:  # every rank reads the bad-step counters
+        if ddp:  # the line rank 0 prints is over every rank's tokens
+            sums = torch.stack([loss_acc, nll_acc])
+            dist.all_reduce(sums)
+            loss_acc.copy_(sums[0]), nll_acc.copy_(sums[1])
         if worst_streak.item() >= max_bad_steps:
             sys.exit(f"{int(worst_streak.item())} non-finite updates in a row: lower the learning rate, use "
                      f"dtype='bfloat16' or 'float32', or set clip_grad")
@@ -477,8 +481,8 @@ while step < max_steps:
             log(f"warning: {int(skipped.item())} update(s) with a non-finite gradient norm skipped since the last log line")
         if master:
             dt, t_last = time.time() - t_last, time.time()
-            loss_tok = loss_acc.item() * world / tokens_since
-            ppl = math.exp(min(nll_acc.item() * world / tokens_since, 50))
+            loss_tok = loss_acc.item() / tokens_since
+            ppl = math.exp(min(nll_acc.item() / tokens_since, 50))
             eta = (max_steps - step) * elapsed / step
             if max_minutes > 0:
                 eta = min(eta, max_minutes * 60 - elapsed)

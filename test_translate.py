@@ -253,6 +253,22 @@ def test_output_file_appears_only_when_complete(toy, tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:  # before the model loads
         T.main(['--ckpt', str(tmp_path / 'missing.pt'), '--input', toy['src'], '--output', str(tmp_path / 'no' / 'hyp')])
     assert f"--output {tmp_path / 'no' / 'hyp'}: No such file or directory" in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        T.main(['--ckpt', str(tmp_path / 'missing.pt'), '--average-last', '2', '--save-average', str(tmp_path / 'no' / 'a.pt')])
+    assert f"--save-average {tmp_path / 'no' / 'a.pt'}: No such file or directory" in str(e.value)
+    with pytest.raises(SystemExit) as e:  # a folder without --average-last
+        T.main(['--ckpt', str(tmp_path), '--input', toy['src']])
+    assert f'{tmp_path} is a folder' in str(e.value) and '--average-last' in str(e.value)
+
+
+def test_a_reader_that_stops_early_is_no_traceback(toy, tmp_path):
+    (tmp_path / 'many').write_text(''.join(line + '\n' for line in toy['lines'] * 150))  # more than a pipe holds
+    cat = subprocess.Popen([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt'], '--input',
+                            str(tmp_path / 'many'), '--greedy'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=ENV, cwd=HERE)
+    cat.stdout.readline()
+    cat.stdout.close()  # as `| head -1` does
+    assert b'Traceback' not in cat.stderr.read() and cat.wait(timeout=60) != 0
 
 
 def test_bleu_of_a_known_pair_equals_sacrebleu_and_the_formula():

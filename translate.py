@@ -50,6 +50,8 @@ def save_atomic(obj, path):
 
 
 def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
+    if os.path.isdir(path):
+        fail(f"{path} is a folder: give a checkpoint file in it, or --average-last N to average its newest ckpt_STEP.pt")
     if not os.path.isfile(path):
         fail(f"checkpoint {path} not found")
     try:  # weights_only: our checkpoints hold only tensors and plain containers, and loading runs no code
@@ -482,12 +484,13 @@ def main(argv=None):
     interactive = args.input is None and sys.stdin.isatty()
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
-    if args.output:  # before the model loads: a path that cannot be written fails at once
-        try:
-            open(args.output + '.tmp', 'w').close()
-            os.remove(args.output + '.tmp')
+    for flag, path in (('--output', args.output), ('--save-average', args.save_average)):
+        try:  # before the model loads: a path that cannot be written fails at once
+            if path:
+                open(path + '.tmp', 'w').close()
+                os.remove(path + '.tmp')
         except OSError as e:
-            fail(f"--output {args.output}: {e.strerror}")
+            fail(f"{flag} {path}: {e.strerror}")
     lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
     refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
     if refs is not None and lines is not None and len(refs) != len(lines):
@@ -565,4 +568,8 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        sys.exit(1)

@@ -276,15 +276,22 @@ def train_tokenizer(texts, vocab_size, name):
 
 def tokenizer_dict(data_dir):
     """The tokenizer of a prepared directory as a JSON-able dict (train.py embeds it in checkpoints)."""
-    with open(os.path.join(data_dir, 'tokenizer.json'), encoding='utf-8') as f:
-        return json.load(f)
+    return read_json(os.path.join(data_dir, 'tokenizer.json'))
+
+
+def read_json(path):
+    with open(path, encoding='utf-8') as f:
+        try:
+            return json.load(f)
+        except ValueError as e:  # which file, not only where in it
+            raise ValueError(f"{path}: {e}") from None
 
 
 def load_tokenizer(path_or_dict):
     """tiktoken.Encoding from a tokenizer dict, a tokenizer.json, or a prepared data directory."""
     d = path_or_dict
     if not isinstance(d, dict):
-        d = tokenizer_dict(d) if os.path.isdir(d) else json.load(open(d, encoding='utf-8'))
+        d = tokenizer_dict(d) if os.path.isdir(d) else read_json(d)
     return tiktoken.Encoding(name=d.get('name', 'data_prep'), pat_str=d['pattern'],
                              mergeable_ranks={base64.b64decode(b): r for b, r in d['ranks']},
                              special_tokens=dict(d['special_tokens']))
@@ -295,8 +302,7 @@ def load_tokenizer(path_or_dict):
 
 def load_meta(data_dir):
     """A prepared directory's meta.json: languages, vocabulary size, special ids, token dtype, split sizes."""
-    with open(os.path.join(data_dir, 'meta.json'), encoding='utf-8') as f:
-        return json.load(f)
+    return read_json(os.path.join(data_dir, 'meta.json'))
 
 
 def load_split(data_dir, split):
@@ -520,7 +526,7 @@ def prepare(args):
                 'files': {split: [[label(s), label(t)] for s, t in fs] for split, fs in files.items()}}
     meta_path = os.path.join(out, 'meta.json')
     if os.path.exists(meta_path) and not args.force:
-        meta = json.load(open(meta_path, encoding='utf-8'))
+        meta = load_meta(out)
         if meta.get('settings') == settings:
             print(f'{out} is already prepared with these settings (--force to redo it)')
             return meta

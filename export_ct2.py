@@ -155,7 +155,7 @@ def main(argv=None):
     tok = ckpt['tokenizer']
     if not isinstance(tok, dict):  # a path, as load_checkpoint allows (it has just loaded, so it resolves)
         tok = tok if os.path.exists(tok) else os.path.join(os.path.dirname(paths[-1]), tok)
-        tok = data_prep.tokenizer_dict(tok) if os.path.isdir(tok) else json.load(open(tok, encoding='utf-8'))
+        tok = data_prep.tokenizer_dict(tok) if os.path.isdir(tok) else data_prep.read_json(tok)
     info = {'checkpoints': [os.path.abspath(q) for q in paths], 'step': ckpt.get('step'),
             'lenpen': T.default_lenpen(ckpt)}
     out = export(model, tok, args.out, args.quantization, args.force, info)

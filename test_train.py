@@ -219,6 +219,14 @@ def test_incomplete_data_dir_is_a_one_line_error(data_dir, tmp_path):
         f.truncate(os.path.getsize(tmp_path / 'data' / 'train.yy.bin') // 2)
     res = train(['--max_steps=1'], tmp_path / 'run', tmp_path / 'data', ok=False)
     assert 'train.yy.idx does not match' in res.stderr and 'train.yy.bin' in res.stderr
+    shutil.copy(os.path.join(data_dir, 'train.yy.bin'), tmp_path / 'data')
+    for name, damage in [('tokenizer.json', None), ('valid.xx.txt', None), ('meta.json', '{"src": "xx", "tgt"')]:
+        os.rename(tmp_path / 'data' / name, tmp_path / name)
+        if damage is not None:
+            (tmp_path / 'data' / name).write_text(damage)
+        res = train(['--max_steps=1'], tmp_path / 'run', tmp_path / 'data', ok=False)
+        assert 'is incomplete or damaged' in res.stderr and name in res.stderr, res.stderr
+        os.replace(tmp_path / name, tmp_path / 'data' / name)
 
 
 def test_sentence_longer_than_max_len_is_a_one_line_error_before_training(data_dir, tmp_path):

@@ -201,8 +201,15 @@ if init_from != 'resume' and run_files:
 if not os.path.exists(os.path.join(data_dir, 'meta.json')):
     sys.exit(f"no prepared data in {data_dir} (meta.json missing): run e.g. "
              f"`python data_prep.py multi30k --src en --tgt de --out {data_dir}`")
-meta = data_prep.load_meta(data_dir)
-src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], meta['bos_id'], meta['eos_id']
+try:  # the token files themselves are checked by load_split
+    meta = data_prep.load_meta(data_dir)
+    src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], meta['bos_id'], meta['eos_id']
+    tokenizer = data_prep.tokenizer_dict(data_dir)
+    enc = data_prep.load_tokenizer(tokenizer)
+    valid_src, valid_ref = (open(os.path.join(data_dir, f'valid.{lang}.txt'), encoding='utf-8').read().splitlines()
+                            for lang in (src_lang, tgt_lang))
+except (OSError, ValueError, KeyError) as e:
+    sys.exit(f"error: {data_dir} is incomplete or damaged ({type(e).__name__}: {e}): prepare it again with data_prep.py")
 
 
 def get_batch(data, ids):
@@ -222,10 +229,6 @@ if sizes.min() > max_tokens:
 if sizes.max() > max_tokens:
     log(f"warning: {(sizes > max_tokens).sum()} training pairs need more than max_tokens={max_tokens} padded "
         f"tokens and are skipped; max_tokens={sizes.max()} would keep them all")
-tokenizer = data_prep.tokenizer_dict(data_dir)
-enc = data_prep.load_tokenizer(tokenizer)
-valid_src = open(os.path.join(data_dir, f'valid.{src_lang}.txt'), encoding='utf-8').read().splitlines()
-valid_ref = open(os.path.join(data_dir, f'valid.{tgt_lang}.txt'), encoding='utf-8').read().splitlines()
 
 # -----------------------------------------------------------------------------------------------
 # model, optimiser, and the state to resume or fine-tune from

@@ -371,6 +371,9 @@ def test_cooldown_follows_max_steps_when_the_steps_run_out_first():
     (['--d_model=30', '--n_heads=4'], 'd_model=30 must be a multiple of n_heads=4'),
     (['--dtype=float64'], "dtype must be 'auto'"),
     (['--cooldown=2'], 'cooldown must be between 0 and 1'),
+    (['--dropout=1.5'], 'dropout must be at least 0 and below 1'),
+    (['--label_smoothing=1.0'], 'label_smoothing must be at least 0 and below 1'),
+    (['--max_bad_steps=0'], 'max_bad_steps must be at least 1'),
 ])
 def test_bad_settings_give_clear_errors(args, message, tmp_path):
     # an out_dir of its own: the default one may hold a finished run in a working checkout

@@ -129,11 +129,15 @@ def override(config, args):
 config = override({k: globals()[k] for k in config_keys}, sys.argv[1:])
 globals().update(config)
 for key in ('max_tokens', 'update_freq', 'max_steps', 'warmup', 'log_interval', 'keep_last', 'keep_state',
-            'average_last', 'bleu_beam', 'n_enc_layers', 'n_dec_layers', 'd_model', 'd_ff', 'n_heads', 'max_len'):
+            'average_last', 'bleu_beam', 'n_enc_layers', 'n_dec_layers', 'd_model', 'd_ff', 'n_heads', 'max_len',
+            'max_bad_steps'):
     if config[key] < 1:
         sys.exit(f"{key} must be at least 1, got {config[key]}")
 if bleu_lenpen < 0:
     sys.exit(f"bleu_lenpen must be at least 0, got {bleu_lenpen}")
+for key in ('dropout', 'attn_dropout', 'label_smoothing'):
+    if not 0 <= config[key] < 1:
+        sys.exit(f"{key} must be at least 0 and below 1, got {config[key]}")
 if not 0 <= cooldown <= 1:
     sys.exit(f"cooldown must be between 0 and 1 (a share of the run), got {cooldown}")
 if d_model % n_heads:

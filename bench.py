@@ -6,7 +6,7 @@ How fast is model.py, measured on your own machine in one command:
     python bench.py --data data/NAME --peak h100 --json # real batches, MFU against a table peak, JSON
 
 Training: forward + backward + Adam step on token-based batches (synthetic lengths, or --data), for
-eager and torch.compile, float32 and bfloat16 autocast (bf16 only where native: model.fast_dtype),
+eager and torch.compile, float32 and bfloat16 autocast (bf16 only where native: translate.fast_dtype),
 next to torch.nn.Transformer with the same dimensions, batch, masks, loss and optimizer. Achieved FLOP/s
 comes from the analytic count in flops_per_step; MFU divides it by a peak (a GPU table, or a GEMM timed
 here with --peak measured).
@@ -299,7 +299,7 @@ def parse_args(argv=None):
     p.add_argument('--batch-tokens', type=int, default=2048, help='max padded tokens per side per batch')
     p.add_argument('--data', help='data/NAME from data_prep.py: real training batches instead of synthetic')
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--dtype', choices=DTYPES, help='of the compiled row and decoding (default: model.fast_dtype); '
+    p.add_argument('--dtype', choices=DTYPES, help='of the compiled row and decoding (default: translate.fast_dtype); '
                                                    'eager rows run float32 and, where native or asked for, bfloat16')
     p.add_argument('--peak', choices=['measured', *PEAKS], help='MFU denominator (default: the table if this GPU '
                                                                 'is in it, else a GEMM timed here)')
@@ -320,7 +320,7 @@ def main(argv=None):
     device = torch.device(args.device)
     if device.type == 'cpu':  # as train.py and translate.py do
         T.keep_freed_memory()
-    native = M.fast_dtype(device.type)
+    native = T.fast_dtype(device.type)
     dtype_name = args.dtype or native
     dtype = DTYPES[dtype_name]
     # Emulated bf16 (AVX2-only CPUs) is hundreds of times slower than float32: its rows would take

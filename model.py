@@ -443,7 +443,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
         top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
         fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
         alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
-        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)  # after step 0 the cache has one row per sentence
+        # After step 0 the cache has one row per sentence.
+        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)
         done = can_stop(fin_scores, alive, limit, t, alpha, nbest, early_stop)
         if done.any():
             out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
@@ -451,7 +452,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
             if len(keep) == 0:
                 break
             rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)
-            active, alive, limit, fin_scores, fin_tokens = (x[keep] for x in (active, alive, limit, fin_scores, fin_tokens))
+            active, alive, limit = active[keep], alive[keep], limit[keep]
+            fin_scores, fin_tokens = fin_scores[keep], fin_tokens[keep]
             tokens, memory, src_mask = tokens[rows], memory[keep], src_mask[keep]
             reorder_cache(cache, rows, keep)
     out = []
@@ -459,13 +461,3 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
         hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
         out.append(hyps[:nbest])
     return out
-
-
-def fast_dtype(device_type):
-    """'bfloat16' where bf16 matrix multiply is native (GPUs; CPUs with AVX512-BF16 or AMX), else
-    'float32': an AVX2-only CPU emulates bf16 at hundreds of times the cost of float32 (README, Performance)."""
-    if device_type == 'cuda':
-        return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
-    native = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False)() for isa in ('avx512_bf16', 'amx_tile')]
-    return 'bfloat16' if device_type == 'cpu' and any(native) else 'float32'
-

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import bench
 import model as M
+import translate as T
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -107,7 +108,7 @@ def test_end_to_end_json():
     r = json.loads(out)  # stdout holds exactly one JSON record
     assert {'device', 'torch', 'model_cfg', 'params', 'peak_flops', 'train', 'ratios', 'decode',
             'kv_cache_speedup'} <= set(r)
-    dtypes = ['float32'] + (['bfloat16'] if M.fast_dtype('cpu') == 'bfloat16' else [])  # emulated bf16 skipped
+    dtypes = ['float32'] + (['bfloat16'] if T.fast_dtype('cpu') == 'bfloat16' else [])  # emulated bf16 skipped
     assert [(t['impl'], t['mode'], t['dtype']) for t in r['train']] == (
         [('ours', 'eager', d) for d in dtypes] + [('torch.nn.Transformer', 'eager', d) for d in dtypes])
     for t in r['train']:

@@ -345,14 +345,6 @@ def test_import_has_no_side_effects():
     assert out.returncode == 0 and out.stdout == '' and out.stderr == ''
 
 
-def test_fast_dtype_needs_native_bf16(monkeypatch):
-    for isa in ('avx512_bf16', 'amx_tile'):
-        monkeypatch.setattr(torch.cpu, f'_is_{isa}_supported', lambda: False, raising=False)
-    assert M.fast_dtype('cpu') == 'float32'
-    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: True, raising=False)
-    assert M.fast_dtype('cpu') == 'bfloat16'
-
-
 def test_dropout_keeps_each_element_with_1_minus_p_and_rescales():
     torch.manual_seed(0)
     drop, x = M.Dropout(0.2), torch.ones(200_000, requires_grad=True)

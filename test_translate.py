@@ -420,3 +420,11 @@ def test_keep_freed_memory_reuses_large_blocks_without_page_faults():
     faults = {mode: int(subprocess.run([sys.executable, '-c', code, mode], capture_output=True, text=True,
                                        check=True).stdout) for mode in ('default', 'keep')}
     assert faults['default'] > 20_000 and faults['keep'] < 1_000, faults
+
+
+def test_fast_dtype_needs_native_bf16(monkeypatch):
+    for isa in ('avx512_bf16', 'amx_tile'):
+        monkeypatch.setattr(torch.cpu, f'_is_{isa}_supported', lambda: False, raising=False)
+    assert T.fast_dtype('cpu') == 'float32'
+    monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: True, raising=False)
+    assert T.fast_dtype('cpu') == 'bfloat16'

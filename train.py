@@ -76,7 +76,7 @@ label_smoothing = 0.1
 clip_grad = 0.0              # max gradient norm (0 = off; the paper does not clip)
 # system
 device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
-dtype = 'auto'               # 'auto' (bfloat16 where native, see model.fast_dtype), 'bfloat16', 'float16' (GPU,
+dtype = 'auto'               # 'auto' (bfloat16 where native, see translate.fast_dtype), 'bfloat16', 'float16' (GPU,
                              # with a gradient scaler) or 'float32'
 compile = False
 seed = 1337
@@ -168,8 +168,8 @@ device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 if dtype == 'float16' and device_type == 'cpu':
     sys.exit("dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on CPU")
 if dtype == 'auto':
-    dtype = M.fast_dtype(device_type)
-elif dtype == 'bfloat16' and M.fast_dtype(device_type) != 'bfloat16':
+    dtype = translate.fast_dtype(device_type)
+elif dtype == 'bfloat16' and translate.fast_dtype(device_type) != 'bfloat16':
     log(f"WARNING: this {device_type} has no native bfloat16 matrix multiply; dtype='bfloat16' will be far "
           "slower than 'float32' (dtype='auto' picks the faster one)", file=sys.stderr)
 torch.manual_seed(seed + rank)

@@ -77,6 +77,15 @@ def check_tokenizer(path, cfg, enc):
             fail(f"{path}: tokenizer's {name} id is {got} but the model's is {want}")
 
 
+def fast_dtype(device_type):
+    """'bfloat16' where bf16 matrix multiply is native (GPUs; CPUs with AVX512-BF16 or AMX), else
+    'float32': an AVX2-only CPU emulates bf16 at hundreds of times the cost of float32 (README, Performance)."""
+    if device_type == 'cuda':
+        return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
+    native = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False)() for isa in ('avx512_bf16', 'amx_tile')]
+    return 'bfloat16' if device_type == 'cpu' and any(native) else 'float32'
+
+
 def keep_freed_memory():
     """glibc returns a freed block over 32 MB (a batch's logits, tokens x vocab floats) to the OS, so the
     next step page-faults it back in, zeroed, page by page (README, Performance). Keep freed memory in the
@@ -289,9 +298,11 @@ class CT2Model:
             capped = [(i, h) for i, r in finished for h in r.hypotheses if h[-1:] != ['</s>']]
             scored = self.translator.score_batch([rows[i] for i, _ in capped], [h for _, h in capped],
                                                  max_input_length=0) if capped else []
-            logp = {(i, tuple(h)): sum(s.log_probs) for (i, h), s in zip(capped, scored)}
+            logp = {}
+            for (i, h), s in zip(capped, scored):
+                logp.setdefault(i, {})[tuple(h)] = sum(s.log_probs)
             for i, r in finished:
-                out[i] = self.rerank(r, beam, alpha, {h: v for (j, h), v in logp.items() if j == i})[:nbest]
+                out[i] = self.rerank(r, beam, alpha, logp.get(i, {}))[:nbest]
             groups += redo.values()
         return out
 
@@ -485,12 +496,12 @@ def main(argv=None):
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
     for flag, path in (('--output', args.output), ('--save-average', args.save_average)):
-        try:  # before the model loads: a path that cannot be written fails at once
-            if path:
+        if path:  # before the model loads: a path that cannot be written fails at once
+            try:
                 open(path + '.tmp', 'w').close()
                 os.remove(path + '.tmp')
-        except OSError as e:
-            fail(f"{flag} {path}: {e.strerror}")
+            except OSError as e:
+                fail(f"{flag} {path}: {e.strerror}")
     lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
     refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
     if refs is not None and lines is not None and len(refs) != len(lines):

@@ -13,6 +13,7 @@ here with --peak measured).
 Decoding: greedy with the KV cache and with full recomputation, and beam search, in sentences/s.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -150,8 +151,9 @@ def sync(device):
 
 
 def measure_peak(dtype, device):
-    # Best of a few large square GEMMs: what the matmul units reach here (MFU's denominator on a CPU).
-    n = 4096 if device.type == 'cuda' else 2048  # on 2 CPU cores 2048 already saturates, 4096 takes 1 s
+    # Best of a few large square GEMMs on random data: what the matmul units reach here (MFU's
+    # denominator on a CPU, a second one beside the data sheet's on a GPU).
+    n = 8192 if device.type == 'cuda' else 2048  # on 2 CPU cores 2048 already saturates, 4096 takes 1 s
     if device.type == 'cpu':
         # Emulated bf16 (AVX2) runs at 0.3 GFLOP/s: a 2048^2 GEMM would take a minute. Size it from a
         # small probe so that one GEMM takes about 0.3 s at most.
@@ -162,12 +164,12 @@ def measure_peak(dtype, device):
         n = min(n, max(256, 256 * int((0.3 / (time.perf_counter() - t)) ** (1 / 3))))
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     best = math.inf
-    for _ in range(4):
+    for i in range(10 if device.type == 'cuda' else 4):
         sync(device)
         t = time.perf_counter()
         a @ b
         sync(device)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, time.perf_counter() - t) if i else best  # the first: library and clock warm-up
     return 2 * n ** 3 / best
 
 
@@ -178,7 +180,7 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'process max RSS'
 
 
-def bench_train(cfg, impl, compiled, dtype, batches, warmup, device):
+def bench_train(cfg, impl, compiled, dtype, batches, warmup, device, profile=False):
     torch.manual_seed(0)
     model = (M.Transformer if impl == 'ours' else Builtin)(cfg).to(device).train()
     fwd = model
@@ -191,10 +193,13 @@ def bench_train(cfg, impl, compiled, dtype, batches, warmup, device):
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats()
 
+    # As train.py with compile: the loss too, one pass over the (tokens x vocab) logits instead of several.
+    loss_fn = torch.compile(M.label_smoothed_loss, dynamic=True) if compiled else M.label_smoothed_loss
+
     def step(b):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             logits = fwd(b['src'], b['tgt_in'])
-        loss, _, ntok = M.label_smoothed_loss(logits, b['tgt_out'], 0.1, cfg.pad_id)
+        loss, _, ntok = loss_fn(logits, b['tgt_out'], 0.1, cfg.pad_id)
         (loss / ntok).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -204,10 +209,14 @@ def bench_train(cfg, impl, compiled, dtype, batches, warmup, device):
         step(b)
     sync(device)
     t1 = time.perf_counter()
-    for b in batches[warmup:]:
-        step(b)
-    sync(device)
+    with torch.profiler.profile() if profile else contextlib.nullcontext() as prof:
+        for b in batches[warmup:]:
+            step(b)
+        sync(device)
     dt = time.perf_counter() - t1
+    if profile:  # where the time of the timed steps went, by operator (kernels on a GPU)
+        print(prof.key_averages().table(sort_by=f'self_{"device" if device.type == "cuda" else "cpu"}_time_total',
+                                        row_limit=30, max_name_column_width=60))
     timed = batches[warmup:]
     n_src, n_tgt = sum(b['n_src'] for b in timed), sum(b['n_tgt'] for b in timed)
     flops = sum(flops_per_step(cfg, b['src'].size(0), b['src'].size(1), b['tgt_in'].size(1)) for b in timed)
@@ -302,9 +311,13 @@ def parse_args(argv=None):
     p.add_argument('--dtype', choices=DTYPES, help='of the compiled row and decoding (default: translate.fast_dtype); '
                                                    'eager rows run float32 and, where native or asked for, bfloat16')
     p.add_argument('--peak', choices=['measured', *PEAKS], help='MFU denominator (default: the table if this GPU '
-                                                                'is in it, else a GEMM timed here)')
+                                                                'is in it, else a GEMM timed here; "of GEMM" always '
+                                                                'divides by the GEMM)')
+    p.add_argument('--profile', action='store_true', help='then profile the timed steps of the last training row '
+                                                         'of ours and print the operators that took the time')
     p.add_argument('--compile', choices=['auto', 'on', 'off'], default='auto', help='auto: on CUDA or tiny/small')
-    p.add_argument('--warmup', type=int, default=2, help='untimed steps per row (compilation happens here)')
+    p.add_argument('--warmup', type=int, help='untimed steps per row: compilation, and on a GPU each new batch '
+                                             "shape's one-time cost (README, GPU); default 30 on a GPU, 2 on a CPU")
     p.add_argument('--steps', type=int, default=5, help='timed training steps per row')
     p.add_argument('--decode-sents', type=int, default=64, help='decoded at once, each of 24 source tokens')
     p.add_argument('--decode-len', type=int, default=20, help='output tokens per sentence (then EOS)')
@@ -318,6 +331,8 @@ def main(argv=None):
     args = parse_args(argv)
     t_start, load = time.perf_counter(), os.getloadavg()[0]  # other processes on the cores skew timings
     device = torch.device(args.device)
+    if args.warmup is None:
+        args.warmup = 30 if device.type == 'cuda' else 2
     if device.type == 'cpu':  # as train.py and translate.py do
         T.keep_freed_memory()
     native = T.fast_dtype(device.type)
@@ -331,7 +346,8 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
 
     cfg = M.preset(args.config) if args.config in M.PRESETS else M.Config(**CONFIGS[args.config])
-    n_batches, n_pool = args.warmup + args.steps, 40 * args.batch_tokens // 25  # ~40 batches to draw from
+    n_batches = args.warmup + args.steps
+    n_pool = (n_batches + 10) * args.batch_tokens // 25  # sentences of ~25 tokens: a few batches more than needed
     if args.data:
         pairs, meta = real_pairs(args.data, n_pool, rng, cfg.max_len - 2)
         cfg = M.Config(**{**asdict(cfg), **{k: meta[k] for k in ('vocab_size', 'pad_id', 'bos_id', 'eos_id')}})
@@ -345,7 +361,8 @@ def main(argv=None):
 
     gpu = torch.cuda.get_device_name().lower() if device.type == 'cuda' else ''
     peak_name = args.peak or next((k for k in PEAKS if k in gpu), 'measured')
-    peaks = {k: measure_peak(DTYPES[k], device) if peak_name == 'measured' else PEAKS[peak_name][k] for k in dtypes}
+    gemm = {k: measure_peak(DTYPES[k], device) for k in dtypes}
+    peaks = {k: gemm[k] if peak_name == 'measured' else PEAKS[peak_name][k] for k in dtypes}
 
     use_compile = args.compile == 'on' or (args.compile == 'auto' and (device.type == 'cuda' or args.config in CONFIGS))
     variants = [('ours', False, DTYPES[d]) for d in dtypes]
@@ -353,8 +370,12 @@ def main(argv=None):
     variants += [('torch.nn.Transformer', False, DTYPES[d]) for d in dtypes]
     train = [bench_train(cfg, impl, c, dt, batches, args.warmup, device) for impl, c, dt in variants]
     rows = {(r['impl'], r['mode'], r['dtype']): r for r in train}
+    if args.profile:
+        impl, compiled, dt = [v for v in variants if v[0] == 'ours'][-1]  # compiled where there is such a row
+        bench_train(cfg, impl, compiled, dt, batches, args.warmup, device, profile=True)
     for r in train:
         r['mfu'] = r['flops_per_s'] / peaks[r['dtype']]
+        r['of_gemm'] = r['flops_per_s'] / gemm[r['dtype']]
         r['vs_ours_eager_fp32'] = r['tokens_per_s'] / train[0]['tokens_per_s']
     speed = lambda impl, mode, dt: rows[impl, mode, dt]['tokens_per_s']
     ratios = {f'ours/built-in {dt}': speed('ours', 'eager', dt) / speed('torch.nn.Transformer', 'eager', dt)
@@ -375,7 +396,7 @@ def main(argv=None):
         sentences_per_batch=sum(b['src'].size(0) for b in timed) / len(timed),
         real_token_fraction=(sum(b['n_src'] + b['n_tgt'] for b in timed)
                              / sum(b['src'].numel() + b['tgt_in'].numel() for b in timed)),
-        peak_source=peak_name, peak_flops=peaks, train=train, ratios=ratios, decode=decode,
+        peak_source=peak_name, peak_flops=peaks, gemm_flops=gemm, train=train, ratios=ratios, decode=decode,
         kv_cache_speedup=decode[0]['sents_per_s'] / decode[1]['sents_per_s'], decode_sentences=len(dec_src),
         decode_len=args.decode_len,
         decode_dtype=dtype_name, elapsed_s=time.perf_counter() - t_start)
@@ -397,15 +418,16 @@ def report(r):
     print(f"batches: {r['data']}, <= {r['batch_tokens']} padded tokens per side, {r['sentences_per_batch']:.0f} "
           f"sentences on average, {100 * r['real_token_fraction']:.0f}% real tokens; {r['warmup_steps']} warm-up + "
           f"{r['timed_steps']} timed steps per row")
-    print(f"peak ({r['peak_source']}): " + ', '.join(f'{k} {v / 1e12:.3g} TFLOP/s' for k, v in r['peak_flops'].items()))
+    print(f"peak ({r['peak_source']}): " + ', '.join(f'{k} {v / 1e12:.3g} TFLOP/s' for k, v in r['peak_flops'].items())
+          + '; GEMM timed here: ' + ', '.join(f'{k} {v / 1e12:.3g} TFLOP/s' for k, v in r['gemm_flops'].items()))
     print('\nTraining step (forward + backward + Adam). tok/s = real (non-pad) source + target tokens; '
           'FLOP/s over padded shapes (flops_per_step)')
     hdr = (f"{'implementation':<22}{'mode':<9}{'dtype':<10}{'step ms':>9}{'tok/s':>9}{'tgt tok/s':>10}"
-           f"{'TFLOP/s':>9}{'MFU':>7}{'x ref':>7}{'warmup s':>10}{'peak MiB':>10}")
+           f"{'TFLOP/s':>9}{'MFU':>7}{'of GEMM':>8}{'x ref':>7}{'warmup s':>10}{'peak MiB':>10}")
     print(hdr + '\n' + '-' * len(hdr))
     for t in r['train']:
         print(f"{t['impl']:<22}{t['mode']:<9}{t['dtype']:<10}{t['step_ms']:>9.0f}{t['tokens_per_s']:>9.0f}"
-              f"{t['tgt_tokens_per_s']:>10.0f}{t['flops_per_s'] / 1e12:>9.3f}{100 * t['mfu']:>6.1f}%"
+              f"{t['tgt_tokens_per_s']:>10.0f}{t['flops_per_s'] / 1e12:>9.3f}{100 * t['mfu']:>6.1f}%{100 * t['of_gemm']:>7.1f}%"
               f"{t['vs_ours_eager_fp32']:>7.2f}{t['warmup_s']:>10.1f}{t['peak_mem_bytes'] / 2**20:>10.0f}")
     print(f"x ref = tokens/s relative to the first row; warmup s includes compilation; "
           f"peak MiB = {r['train'][0]['mem_kind']}")

@@ -11,6 +11,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# cuDNN's attention, which PyTorch prefers for bf16 on Hopper GPUs, builds an execution plan for each new
+# shape, and token-based batches and decoding steps bring a new shape nearly every call: that planning
+# made bf16 training steps and decoding several times slower than float32 on an H100 (README, GPU). The
+# flash and memory-efficient kernels have no such per-shape cost.
+torch.backends.cuda.enable_cudnn_sdp(False)
+
 
 @dataclass
 class Config:

@@ -345,6 +345,14 @@ def test_import_has_no_side_effects():
     assert out.returncode == 0 and out.stdout == '' and out.stderr == ''
 
 
+def test_importing_model_keeps_attention_off_cudnn():
+    # cuDNN's attention plans per new shape: bf16 steps of token batches ran 6.7x slower on an H100 (README, GPU).
+    code = ('import torch; on = torch.backends.cuda.cudnn_sdp_enabled(); import model; '
+            'print(on, torch.backends.cuda.cudnn_sdp_enabled())')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=M.__file__.rsplit('/', 1)[0])
+    assert out.stdout.split() == ['True', 'False'], out.stderr
+
+
 def test_dropout_keeps_each_element_with_1_minus_p_and_rescales():
     torch.manual_seed(0)
     drop, x = M.Dropout(0.2), torch.ones(200_000, requires_grad=True)

@@ -304,6 +304,9 @@ if init_from == 'resume':
         torch.manual_seed(seed + rank + 1000003 * step)
 del state
 model = torch.compile(raw_model) if compile else raw_model
+# Compiled, the loss reads the (tokens x vocab) logits once forward and once backward instead of in
+# several float32 passes: at 25k tokens and 37k words that is tens of GB per step (README, GPU).
+loss_fn = torch.compile(M.label_smoothed_loss, dynamic=True) if compile else M.label_smoothed_loss
 if ddp:
     model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None)
 
@@ -451,7 +454,7 @@ while step < max_steps:
             if ddp:  # all-reduce gradients only on the last micro-step
                 model.require_backward_grad_sync = micro == update_freq - 1
             with autocast:
-                loss, nll, _ = M.label_smoothed_loss(model(src, tgt_in), tgt_out, label_smoothing, PAD)
+                loss, nll, _ = loss_fn(model(src, tgt_in), tgt_out, label_smoothing, PAD)
             # DDP averages gradients over ranks; scaling by world turns that average into the sum.
             scaler.scale(loss * world / ntok_update).backward()
             loss_acc += loss.detach()

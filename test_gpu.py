@@ -1,0 +1,121 @@
+"""
+What must hold on a CUDA GPU; every test skips where torch sees none (CI). Run on a GPU machine:
+$ python -m pytest -q test_gpu.py
+"""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import model as M
+from test_train import HERE, data_dir, free_port, records, train  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = M.Config(vocab_size=96, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4, dropout=0.0)
+    return M.Transformer(cfg).eval()
+
+
+def batch(cfg, B=6, S=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(3, cfg.vocab_size, (B, S), generator=g)
+    src[:, -1] = cfg.eos_id
+    src[0, 5:] = cfg.pad_id  # a padded row: masks must work on the GPU too
+    src[0, 4] = cfg.eos_id
+    return src
+
+
+@pytest.fixture
+def strict_fp32():  # TF32 would change float32 results in the 3rd decimal
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_cuda_forward_and_decoding_match_the_cpu_in_float32(strict_fp32):
+    cpu = tiny_model()
+    gpu = tiny_model().cuda()
+    src = batch(cpu.cfg)
+    tgt = torch.randint(3, cpu.cfg.vocab_size, (src.size(0), 9))
+    with torch.no_grad():
+        ref, out = cpu(src, tgt), gpu(src.cuda(), tgt.cuda()).cpu()
+    assert (out - ref).norm() / ref.norm() < 1e-5
+    for decode in (lambda m, s: M.greedy_decode(m, s, 1.0, 5), lambda m, s: M.beam_search(m, s, 4, 0.6, 1.0, 5)):
+        a, b = decode(cpu, src), decode(gpu, src.cuda())
+        assert [[h[0] for h in hyps] for hyps in a] == [[h[0] for h in hyps] for hyps in b]
+        assert [h[1] for hyps in a for h in hyps] == pytest.approx([h[1] for hyps in b for h in hyps], abs=1e-4)
+
+
+def test_cache_matches_full_forward_on_cuda_in_bfloat16():
+    model = tiny_model().cuda()
+    src = batch(model.cfg).cuda()
+    tgt = torch.randint(3, model.cfg.vocab_size, (src.size(0), 7), device='cuda')
+    with torch.no_grad(), torch.autocast('cuda', dtype=torch.bfloat16):
+        full = torch.log_softmax(model(src, tgt).float(), -1)
+        memory, src_mask = model.encode(src)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, t:t + 1], memory, src_mask, cache)[:, 0].float() for t in range(tgt.size(1))]
+    steps = torch.log_softmax(torch.stack(steps, 1), -1)
+    assert (steps - full).abs().max() < 0.1  # bf16 rounding differs between the two paths
+
+
+def test_bfloat16_training_on_cuda_fits_a_batch():
+    model = tiny_model().cuda().train()
+    src = batch(model.cfg).cuda()
+    tgt = src.flip(1)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    losses = []
+    for _ in range(60):
+        with torch.autocast('cuda', dtype=torch.bfloat16):
+            loss, _, ntok = M.label_smoothed_loss(model(src, tgt[:, :-1]), tgt[:, 1:], 0.1, model.cfg.pad_id)
+        (loss / ntok).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item() / ntok.item())
+    assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize('extra', [['--dtype=bfloat16', '--compile=True'], ['--dtype=float16']])
+def test_train_one_process_on_cuda_writes_a_loadable_checkpoint(data_dir, tmp_path, extra):
+    out = tmp_path / 'run'
+    res = train(['--device=cuda', '--max_steps=30', '--save_interval=15', '--bleu_interval=0'] + extra, out, data_dir)
+    assert 'device cuda' in res.stdout, res.stdout[-2000:]
+    losses = [r['loss'] for r in records(out, 'loss')]
+    assert len(losses) == 30 and losses[-1] < losses[0]
+    assert records(out, 'valid_bleu')[-1]['valid_bleu'] >= 0
+    # The weights were saved from the GPU: they must still translate where torch sees none.
+    res = subprocess.run([sys.executable, 'translate.py', '--ckpt', str(out / 'ckpt.pt'), '--input',
+                          os.path.join(data_dir, 'valid.xx.txt')], cwd=HERE, capture_output=True, text=True,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=''))
+    assert res.returncode == 0 and len(res.stdout.splitlines()) == 40 and '(cpu, ' in res.stderr, res.stderr[-2000:]
+
+
+def test_torchrun_with_nccl_runs_the_ddp_path_and_stops_at_max_minutes(data_dir, tmp_path):
+    out = tmp_path / 'ddp'
+    res = train(['--device=cuda', '--max_steps=1000000', '--max_minutes=0.1', '--save_interval=0'], out, data_dir,
+                launcher=[sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1',
+                          f'--master_port={free_port()}'])
+    assert re.search(r'max_minutes=0.1 reached at step \d+', res.stdout), res.stdout[-2000:]
+    assert 'device cuda:0' in res.stdout
+    assert os.path.exists(out / 'ckpt.pt')
+
+
+def test_translate_cli_on_cuda_gives_the_cpu_output_in_float32(data_dir, tmp_path):
+    out = tmp_path / 'run'
+    train(['--device=cuda', '--max_steps=40', '--bleu_interval=-1'], out, data_dir)
+    src = os.path.join(data_dir, 'valid.xx.txt')
+    lines = {}
+    for device in ('cpu', 'cuda'):
+        res = subprocess.run([sys.executable, 'translate.py', '--ckpt', str(out / 'ckpt.pt'), '--input', src,
+                              '--device', device, '--dtype', 'float32'], cwd=HERE, capture_output=True, text=True,
+                             env=dict(os.environ, NVIDIA_TF32_OVERRIDE='0'))
+        assert res.returncode == 0, res.stderr[-2000:]
+        lines[device] = res.stdout.splitlines()
+    assert len(lines['cuda']) == 40 and lines['cuda'] == lines['cpu']

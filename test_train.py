@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import data_prep
 import translate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -296,6 +297,35 @@ def test_resume_is_exact(data_dir, tmp_path):
     a, b = final_params(tmp_path / 'straight', 10), final_params(tmp_path / 'split', 10)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_with_another_update_freq_continues_at_the_next_batch(data_dir, tmp_path):
+    # The saved position counted updates: resumed at update_freq 2 after 4 one-batch steps, a run skipped
+    # batches 4-7 of the epoch and began the next epoch two steps early.
+    n = len(data_prep.batch_plan(data_prep.load_split(data_dir, 'train'), 256, 1337, 0))
+    train(['--max_steps=4', '--save_interval=4'], tmp_path, data_dir)
+    last = 4 + (n - 4) // 2  # epoch 0's last step when batches 4, 5, ... are taken two at a time
+    train([f'--max_steps={last + 1}', '--update_freq=2', '--init_from=resume'], tmp_path, data_dir)
+    epochs = {r['step']: r['epoch'] for r in records(tmp_path, 'loss')}
+    assert (epochs[last], epochs[last + 1]) == (0, 1)
+
+
+def test_numbers_given_for_a_text_setting_are_kept_as_text():
+    override = load_function('override', sys=sys, os=os, ast=ast, builtins=__builtins__, traceback=None)
+    config = override({'out_dir': 'out/x', 'dtype': 'auto', 'max_steps': 10}, ['--out_dir=2024', "--dtype='float32'"])
+    assert config == {'out_dir': '2024', 'dtype': 'float32', 'max_steps': 10}
+
+
+def test_damaged_training_state_on_resume_is_a_one_line_error(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=2'], tmp_path, data_dir)
+    (tmp_path / 'state_0000002.pt').write_bytes(b'not a checkpoint')
+    res = train(['--max_steps=4', '--init_from=resume'], tmp_path, data_dir, ok=False)
+    assert 'state_0000002.pt' in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_averaging_more_snapshots_than_are_kept_is_warned(data_dir, tmp_path):
+    res = train(['--max_steps=2', '--keep_last=2', '--average_last=4'], tmp_path, data_dir)
+    assert 'average_last=4 but keep_last=2' in res.stdout
 
 
 def load_get_lr(**settings):

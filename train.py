@@ -115,13 +115,15 @@ def override(config, args):
                 if not key.startswith('_'):
                     check(key, value, arg)
         else:
-            key, eq, value = arg[2:].partition('=')
+            key, eq, raw = arg[2:].partition('=')
             if not eq:
                 sys.exit(f"{arg}: expected --key=value")
             try:
-                value = ast.literal_eval(value)
+                value = ast.literal_eval(raw)
             except (ValueError, SyntaxError):
-                pass  # a bare word is a string
+                value = raw  # a bare word is a string
+            if isinstance(config.get(key), str) and not isinstance(value, str):
+                value = raw  # --out_dir=2024 names the folder '2024'
             check(key, value, arg)
     return config
 
@@ -172,6 +174,9 @@ if dtype == 'auto':
 elif dtype == 'bfloat16' and translate.fast_dtype(device_type) != 'bfloat16':
     log(f"WARNING: this {device_type} has no native bfloat16 matrix multiply; dtype='bfloat16' will be far "
           "slower than 'float32' (dtype='auto' picks the faster one)", file=sys.stderr)
+if average_last > keep_last:
+    log(f"warning: average_last={average_last} but keep_last={keep_last}: ckpt.pt will average only the {keep_last} "
+        f"newest snapshots (raise keep_last to average {average_last})")
 torch.manual_seed(seed + rank)
 if device_type == 'cpu':
     translate.keep_freed_memory()
@@ -241,7 +246,7 @@ if init_from == 'resume':
     states = translate.checkpoints(out_dir, 'state')
     if not states:
         sys.exit(f"init_from='resume' but {out_dir} has no state_*.pt")
-    init_path, state = states[-1], torch.load(states[-1], map_location='cpu', weights_only=False)
+    init_path, state = states[-1], translate.read_checkpoint(states[-1], ('model', 'model_cfg', 'tokenizer', 'optimizer'))
 elif init_from != 'scratch':
     init_path, state = init_from, translate.read_checkpoint(init_from)
 if state is not None and state['tokenizer'] != tokenizer:
@@ -293,7 +298,11 @@ if state is not None:
 if init_from == 'resume':
     optimizer.load_state_dict(state['optimizer'])
     scaler.load_state_dict(state['scaler'])
-    step, epoch, batch_idx, best_bleu = state['step'], state['epoch'], state['batch_idx'], state['best_bleu']
+    step, epoch, best_bleu = state['step'], state['epoch'], state['best_bleu']
+    # The position in the epoch's batch plan, in batches: a resume with another number of processes or
+    # another update_freq continues from the same batch. (Older states counted updates.)
+    batch_idx = state['next_batch'] if 'next_batch' in state else \
+        state['batch_idx'] * len(state['rng']) * state['config']['update_freq']
     elapsed = state.get('elapsed', 0.0)  # max_minutes and the cooldown count the run's training time so far
     if len(state['rng']) == world:  # every rank's own generator: dropout masks continue as if never stopped
         torch.set_rng_state(state['rng'][rank]['cpu'])
@@ -386,7 +395,7 @@ def save(path, full=False):
         rng = gather({'cpu': torch.get_rng_state(),
                       'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch,
-                    batch_idx=batch_idx, best_bleu=best_bleu, rng=rng, elapsed=clock)
+                    next_batch=batch_idx, best_bleu=best_bleu, rng=rng, elapsed=clock)
     if master:
         translate.save_atomic(ckpt, path)
 
@@ -434,17 +443,17 @@ loss_acc, nll_acc = torch.zeros((), device=device), torch.zeros((), device=devic
 streak, worst_streak, skipped = (torch.zeros((), device=device) for _ in range(3))
 raw_model.train()
 while step < max_steps:
-    if (batch_idx + 1) * per_update > len(plan):  # the epoch's last few batches do not fill an update
+    if batch_idx + per_update > len(plan):  # the epoch's last few batches do not fill an update
         epoch, batch_idx = epoch + 1, 0
         plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
         if per_update > len(plan):
             sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, fewer than the "
                      f"{per_update} an update needs ({world} process(es) x update_freq {update_freq}): lower max_tokens")
-    update = plan[batch_idx * per_update:(batch_idx + 1) * per_update]
+    update = plan[batch_idx:batch_idx + per_update]
     # Every rank holds the same plan, so each knows the update's global target-token count without a
     # collective; normalising by it makes N ranks and update_freq N give the same update.
     ntok_update = sum(int(train_tgt_len[ids].sum()) for ids in update)
-    step, batch_idx = step + 1, batch_idx + 1
+    step, batch_idx = step + 1, batch_idx + per_update
     lr_now = get_lr(step, clock)
     for group in optimizer.param_groups:
         group['lr'] = lr_now

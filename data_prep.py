@@ -520,6 +520,12 @@ def prepare(args):
     args.workers = max(1, args.workers)
     name = f'{args.corpus}_{args.src}_{args.tgt}'
     out = args.out or os.path.join('data', name)
+    try:  # before any download or BPE: an --out that is a file or cannot be written fails at once
+        os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, '.write_test'), 'w').close()
+        os.remove(os.path.join(out, '.write_test'))
+    except OSError as e:
+        sys.exit(f'error: --out {out} cannot be created or written: {e.strerror}')
     files = source_files(args, key)
     settings = {'corpus': args.corpus, 'src': args.src, 'tgt': args.tgt, 'vocab_size': vocab_size,
                 'max_len': args.max_len, 'max_ratio': args.max_ratio,

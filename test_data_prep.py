@@ -286,6 +286,13 @@ def test_same_language_on_both_sides_is_refused(tmp_path, capsys):
     assert "--src and --tgt are both 'xx'" in capsys.readouterr().err and not (tmp_path / 'out').exists()
 
 
+def test_out_that_is_a_file_is_a_clear_error_before_any_work(tmp_path):
+    (tmp_path / 'taken').write_text('a file, not a folder\n')
+    with pytest.raises(SystemExit) as e:
+        data_prep.main(custom_args(tmp_path, tmp_path / 'taken'))  # no corpus files either: checked first
+    assert str(e.value).startswith(f"error: --out {tmp_path / 'taken'} cannot be created or written")
+
+
 def test_rerun_with_same_settings_is_skipped_and_other_settings_redo(tmp_path, capsys):
     root = tmp_path
     write_custom(root, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})

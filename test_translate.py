@@ -236,6 +236,13 @@ def test_ref_of_an_empty_input_or_of_typed_lines_is_a_clear_message(toy, tmp_pat
     assert '--ref scores a whole --input' in capsys.readouterr().err
 
 
+def test_negative_output_length_settings_are_refused(capsys):
+    for flag in ('--max-len-a=-1', '--max-len-b=-5'):
+        with pytest.raises(SystemExit):  # they would cap every output at 1 token, silently
+            T.main(['--ckpt', 'unused.pt', flag])
+        assert '--max-len-a and --max-len-b must be at least 0' in capsys.readouterr().err
+
+
 def test_output_file_appears_only_when_complete(toy, tmp_path, monkeypatch):
     out = tmp_path / 'hyp'
     out.write_text('the previous translation\n')

@@ -477,6 +477,8 @@ def main(argv=None):
         p.error("need beam >= 1, max-tokens >= 1 and 1 <= nbest <= beam (1 with --greedy)")
     if args.lenpen is not None and args.lenpen < 0:
         p.error("--lenpen must be at least 0")
+    if args.max_len_a < 0 or args.max_len_b < 0:
+        p.error("--max-len-a and --max-len-b must be at least 0 (the output may have a * source tokens + b)")
     if args.paper_bleu and not args.ref:
         p.error("--paper-bleu needs --ref")
     if args.save_average and not args.average_last:

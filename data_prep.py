@@ -110,11 +110,18 @@ def file_problem(path, name):
 
 def download(url, path, retries=5):
     """Stream url into path + '.part', resuming with an HTTP Range request after an interruption and retrying
-    with backoff; the file gets its final name only when it has every byte announced (and matches CHECKSUMS)."""
+    with backoff; the file gets its final name only when it has every byte announced (and matches CHECKSUMS).
+    A resumed request carries If-Range with the validator (ETag or Last-Modified) of the response the .part
+    began with, so a file changed on the server since is sent whole instead of appended to the old bytes."""
     if os.path.exists(path):  # only ever renamed into place complete and verified
         return path
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    name, part = os.path.basename(path), path + '.part'
+    name, part, tag = os.path.basename(path), path + '.part', path + '.part.validator'
+
+    def drop():  # the .part and its validator go together
+        for f in (part, tag):
+            if os.path.exists(f):
+                os.remove(f)
     total = CHECKSUMS.get(name, (None,))[0]
     for attempt in range(retries + 1):
         have = os.path.getsize(part) if os.path.exists(part) else 0
@@ -122,10 +129,16 @@ def download(url, path, retries=5):
             break
         error, t0, shown = None, time.time(), 0.0
         headers = {'Accept-Encoding': 'identity', **({'Range': f'bytes={have}-'} if have else {})}
+        if have and os.path.exists(tag):
+            headers['If-Range'] = open(tag, encoding='utf-8').read()
         try:
             with requests.get(url, headers=headers, stream=True, timeout=60) as r:
-                if r.status_code == 416:  # the .part is not a prefix of this file: start over
-                    os.remove(part)
+                if r.status_code == 416:  # nothing from byte `have` on: complete, or not a prefix of this file
+                    m = re.fullmatch(r'bytes \*/(\d+)', r.headers.get('Content-Range', ''))
+                    if m and int(m[1]) == have:
+                        total = have
+                        break
+                    drop()
                     continue
                 if 400 <= r.status_code < 500:  # retrying will not help
                     sys.exit(f'error: downloading {url}: HTTP {r.status_code} {r.reason}')
@@ -136,10 +149,16 @@ def download(url, path, retries=5):
                 length = r.headers.get('Content-Length')
                 announced = int(m[2]) if have else (int(length) if length else None)
                 if total is not None and announced is not None and announced != total:  # CHECKSUMS or last try
-                    if os.path.exists(part):
-                        os.remove(part)
+                    drop()
                     sys.exit(f'error: {url} is now {announced} bytes, expected {total}; run again to start anew')
                 total = announced if announced is not None else total
+                if not have:  # a weak ETag may not be used in If-Range (RFC 9110)
+                    validator = next((v for v in (r.headers.get('ETag'), r.headers.get('Last-Modified'))
+                                      if v and not v.startswith('W/')), None)
+                    drop()
+                    if validator:
+                        with open(tag, 'w', encoding='utf-8') as f:
+                            f.write(validator)
                 with open(part, 'ab' if have else 'wb') as f:
                     # raw bytes: a server's Content-Encoding must not be undone into a .gz
                     for chunk in r.raw.stream(1 << 20, decode_content=False):
@@ -155,7 +174,7 @@ def download(url, path, retries=5):
             print(file=sys.stderr)  # end the progress line
         have = os.path.getsize(part) if os.path.exists(part) else 0
         if total is not None and have > total:
-            os.remove(part)
+            drop()
             sys.exit(f'error: {url}: got {have} bytes, more than the {total} announced; removed {part}')
         if error is None and (total is None or have == total):
             break
@@ -170,9 +189,10 @@ def download(url, path, retries=5):
                  f'{have} of {total or "?"} bytes in {part} (run again to resume)')
     problem = file_problem(part, name)
     if problem:
-        os.remove(part)
+        drop()
         sys.exit(f'error: {url}: {problem}; removed the download, run again to fetch it anew')
     os.replace(part, path)
+    drop()  # the validator
     return path
 
 

@@ -25,23 +25,31 @@ MULTI30K = os.path.join(HERE, '..', 'shared', 'data', 'multi30k')
 
 
 class Handler(BaseHTTPRequestHandler):
-    """Serves server.files[path]; honours 'Range: bytes=N-' (unless server.no_range); server.cut[path] = K sends
-    only K bytes of the next response to path and drops the connection (server.always_cut: every response)."""
+    """Serves server.files[path] with the ETag server.etags[path], if any; honours 'Range: bytes=N-' (unless
+    server.no_range) and If-Range; server.cut[path] = K sends only K bytes of the next response to path and drops
+    the connection (server.always_cut: every response)."""
 
     def do_GET(self):
         srv, path, rng = self.server, self.path.lstrip('/'), self.headers.get('Range')
-        srv.log.append((path, rng))
+        srv.log.append((path, rng) + ((self.headers['If-Range'],) if 'If-Range' in self.headers else ()))
         if path not in srv.files:
             return self.send_error(404)
-        data, start = srv.files[path], 0
+        data, start, etag = srv.files[path], 0, srv.etags.get(path)
+        if self.headers.get('If-Range', etag) != etag:  # changed since: the whole file, as RFC 9110 says
+            rng = None
         if rng and not srv.no_range:
             start = int(re.fullmatch(r'bytes=(\d+)-', rng)[1])
             if start >= len(data):
-                return self.send_error(416)
+                self.send_response(416)
+                self.send_header('Content-Range', f'bytes */{len(data)}')
+                self.send_header('Content-Length', '0')
+                return self.end_headers()
         body = data[start:]
         self.send_response(206 if start else 200)
         if start:
             self.send_header('Content-Range', f'bytes {start}-{len(data) - 1}/{len(data)}')
+        if etag:
+            self.send_header('ETag', etag)
         self.send_header('Content-Length', str(len(body)))
         self.end_headers()
         cut = srv.cut.pop(path, srv.always_cut)
@@ -57,7 +65,7 @@ def server(monkeypatch):
     monkeypatch.setenv('no_proxy', '127.0.0.1')
     monkeypatch.setattr(data_prep, 'RETRY_WAIT', 0.0)
     srv = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-    srv.files, srv.cut, srv.always_cut, srv.no_range, srv.log = {}, {}, None, False, []
+    srv.files, srv.etags, srv.cut, srv.always_cut, srv.no_range, srv.log = {}, {}, {}, None, False, []
     srv.url = f'http://127.0.0.1:{srv.server_port}/'
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
@@ -195,6 +203,25 @@ def test_download_restarts_when_the_server_ignores_range(server, tmp_path):
     (tmp_path / 'blob.bin.part').write_bytes(b'x' * 20_000)
     path = data_prep.download(server.url + 'blob.bin', str(tmp_path / 'blob.bin'))
     assert open(path, 'rb').read() == data
+
+
+def test_download_of_a_file_changed_since_its_part_began_starts_over(server, tmp_path):
+    old, new = os.urandom(60_000), os.urandom(60_000)
+    server.files['blob.bin'], server.etags['blob.bin'], server.always_cut = old, '"v1"', 25_000
+    with pytest.raises(SystemExit):  # leaves 25 kB of the old file in blob.bin.part
+        data_prep.download(server.url + 'blob.bin', str(tmp_path / 'blob.bin'), retries=0)
+    server.files['blob.bin'], server.etags['blob.bin'], server.always_cut = new, '"v2"', None
+    path = data_prep.download(server.url + 'blob.bin', str(tmp_path / 'blob.bin'))
+    assert open(path, 'rb').read() == new  # not 25 kB of the old file and the rest of the new
+    assert server.log[-1] == ('blob.bin', 'bytes=25000-', '"v1"') and os.listdir(tmp_path) == ['blob.bin']
+
+
+def test_download_with_a_complete_part_file_is_not_fetched_again(server, tmp_path):
+    data = os.urandom(30_000)  # no CHECKSUMS entry: only the server can say the .part is whole
+    server.files['blob.bin'] = data
+    (tmp_path / 'blob.bin.part').write_bytes(data)  # a run killed between the last byte and the rename
+    path = data_prep.download(server.url + 'blob.bin', str(tmp_path / 'blob.bin'))
+    assert open(path, 'rb').read() == data and server.log == [('blob.bin', 'bytes=30000-')]
 
 
 def test_download_that_never_completes_is_an_error_not_a_truncated_file(server, tmp_path):

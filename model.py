@@ -395,7 +395,8 @@ def candidates(alive, logp, at_limit, k, eos_id):
 def finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, eos_id):
     """EOS candidates that rank among the k best join the k best finished hypotheses of their sentence,
     scored log P / lp(t + 1). Only the k best count, as in fairseq: counting all 2k would make beam 1
-    differ from greedy. An EOS ranked k..2k-1 is dropped; it neither finishes nor stays alive."""
+    differ from greedy even at alpha 0 (with alpha > 0 beam 1 may rightly go on past greedy's EOS). An EOS
+    ranked k..2k-1 is dropped; it neither finishes nor stays alive."""
     (B, k), L = fin_scores.shape, fin_tokens.size(2) - 1
     finishes = (tok == eos_id) & (torch.arange(2 * k, device=tok.device) < k)
     eos_scores = torch.where(finishes, top / length_penalty(t + 1, alpha), -math.inf)

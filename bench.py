@@ -18,6 +18,7 @@ import json
 import math
 import os
 import resource
+import sys
 import tempfile
 import time
 import warnings
@@ -216,7 +217,7 @@ def bench_train(cfg, impl, compiled, dtype, batches, warmup, device, profile=Fal
     dt = time.perf_counter() - t1
     if profile:  # where the time of the timed steps went, by operator (kernels on a GPU)
         print(prof.key_averages().table(sort_by=f'self_{"device" if device.type == "cuda" else "cpu"}_time_total',
-                                        row_limit=30, max_name_column_width=60))
+                                        row_limit=30, max_name_column_width=60), file=sys.stderr)  # --json stays one record
     timed = batches[warmup:]
     n_src, n_tgt = sum(b['n_src'] for b in timed), sum(b['n_tgt'] for b in timed)
     flops = sum(flops_per_step(cfg, b['src'].size(0), b['src'].size(1), b['tgt_in'].size(1)) for b in timed)

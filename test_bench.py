@@ -102,18 +102,20 @@ def test_recompute_decoding_matches_kv_cache():
 
 def test_end_to_end_json():
     cmd = [sys.executable, 'bench.py', '--config', 'tiny', '--compile', 'off', '--warmup', '1', '--steps', '2',
-           '--batch-tokens', '256', '--decode-sents', '4', '--json']
+           '--batch-tokens', '256', '--decode-sents', '4', '--json', '--profile']
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}  # see one_thread; this is a smoke test, not a measurement
-    out = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=120, check=True).stdout
-    r = json.loads(out)  # stdout holds exactly one JSON record
-    assert {'device', 'torch', 'model_cfg', 'params', 'peak_flops', 'train', 'ratios', 'decode',
+    res = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=120, check=True)
+    r = json.loads(res.stdout)  # stdout holds exactly one JSON record; --profile's table goes to stderr
+    assert 'aten::mm' in res.stderr and 'Self CPU time total' in res.stderr
+    assert {'device', 'torch', 'model_cfg', 'params', 'peak_flops', 'gemm_flops', 'train', 'ratios', 'decode',
             'kv_cache_speedup'} <= set(r)
     dtypes = ['float32'] + (['bfloat16'] if T.fast_dtype('cpu') == 'bfloat16' else [])  # emulated bf16 skipped
     assert [(t['impl'], t['mode'], t['dtype']) for t in r['train']] == (
         [('ours', 'eager', d) for d in dtypes] + [('torch.nn.Transformer', 'eager', d) for d in dtypes])
     for t in r['train']:
-        for k in ('step_ms', 'tokens_per_s', 'tgt_tokens_per_s', 'flops_per_s', 'mfu', 'peak_mem_bytes'):
+        for k in ('step_ms', 'tokens_per_s', 'tgt_tokens_per_s', 'flops_per_s', 'mfu', 'of_gemm', 'peak_mem_bytes'):
             assert t[k] > 0, k
+        assert t['of_gemm'] == pytest.approx(t['flops_per_s'] / r['gemm_flops'][t['dtype']])
         assert t['tokens_per_s'] > t['tgt_tokens_per_s']
     assert [(d['search'], d['impl']) for d in r['decode']][:3] == [
         ('greedy', 'model.py'), ('greedy', 'recompute'), ('beam 4', 'model.py')]

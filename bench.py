@@ -164,13 +164,14 @@ def measure_peak(dtype, device):
         a @ a
         n = min(n, max(256, 256 * int((0.3 / (time.perf_counter() - t)) ** (1 / 3))))
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    a @ b  # untimed: library and clock warm-up
     best = math.inf
-    for i in range(10 if device.type == 'cuda' else 4):
+    for _ in range(9 if device.type == 'cuda' else 3):
         sync(device)
         t = time.perf_counter()
         a @ b
         sync(device)
-        best = min(best, time.perf_counter() - t) if i else best  # the first: library and clock warm-up
+        best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best
 
 

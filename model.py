@@ -11,10 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# cuDNN's attention, which PyTorch prefers for bf16 on Hopper GPUs, builds an execution plan for each new
-# shape, and token-based batches and decoding steps bring a new shape nearly every call: that planning
-# made bf16 training steps and decoding several times slower than float32 on an H100 (README, GPU). The
-# flash and memory-efficient kernels have no such per-shape cost.
+# cuDNN's attention (PyTorch's pick for bf16 on Hopper) plans anew for each shape, and token batches and
+# decoding steps change shape nearly every call: bf16 ran 5-10x slower than float32 on an H100 (README, GPU).
 torch.backends.cuda.enable_cudnn_sdp(False)
 
 

@@ -127,7 +127,7 @@ def test_export_carries_the_length_penalty_the_checkpoint_was_validated_with(toy
 
 def test_translate_cli_serves_an_export_with_the_same_line_rules_and_scores(toys, tmp_path):
     toy, lines = toys[0][True], toys[1]
-    long_line = ' '.join(WORDS * 4)  # longer than max_len 80 leaves room for: truncated, with a warning
+    long_line = ' '.join(WORDS * 7)  # longer than max_len 80 holds: truncated, with a warning
     src = tmp_path / 'src'
     src.write_text('\n'.join(lines[:6] + ['', long_line] + lines[6:]) + '\n')
     ref = tmp_path / 'ref'

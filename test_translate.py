@@ -188,7 +188,7 @@ def test_compiled_decoding_gives_the_eager_output(toy, tmp_path, monkeypatch):
 
 
 def test_bad_input_gives_exactly_one_output_line_per_input_line(toy, tmp_path):
-    long_line = ' '.join(WORDS * 4)  # 48 tokens: more than the toy model's max_len 80 leaves for it
+    long_line = ' '.join(WORDS * 7)  # 84 tokens: more than the toy model's max_len 80 holds
     raw = [b'alpha beta gamma\r\n', b'\n', b'   \n', long_line.encode() + b'\n', b'beta \xff\xfe delta\n',
            b'alpha\rbeta\n', 'eta\u2028theta'.encode() + b'\n', b'</s> <pad> kappa\r\n', b'\r\n',
            b'alpha beta gamma']  # the last line has no newline
@@ -204,6 +204,33 @@ def test_bad_input_gives_exactly_one_output_line_per_input_line(toy, tmp_path):
     assert hyps[0] == hyps[9] == toy['enc'].decode(own_decode(toy, 'alpha beta gamma')[0][0])
     err = r.stderr.decode()
     assert 'line 4:' in err and 'truncated' in err and 'line 5:' in err and 'UTF-8' in err
+
+
+def test_a_source_that_fits_the_positional_table_is_translated_whole(toy, capsys):
+    # As fairseq: the table cuts the source, and lowers the output cap a * |src| + b where it must. A 48-token
+    # line under max_len 80 was cut to 28 tokens to leave the +50 room, and at b = 78 one token longer
+    # than b = 77 allowed moved the cut from 1 token to the whole table.
+    line = ' '.join(WORDS * 4)
+    for b in (50, 77, 78):
+        out = list(T.translate_lines(toy['model'], toy['enc'], [line], greedy=True, max_len_b=b))
+        assert 'truncated' not in capsys.readouterr().err
+        assert out == [toy['enc'].decode(M.greedy_decode(toy['model'], torch.tensor(
+            [toy['enc'].encode_ordinary(line) + [toy['cfg'].eos_id]]), 1, b)[0][0][0])]
+
+
+def test_a_translation_that_reaches_the_positional_table_is_named(toy, capsys):
+    # A decoder that never ends: its last layer's output is the constant 1, and EOS has the lowest logit.
+    model, cfg = M.Transformer(toy['cfg']).eval(), toy['cfg']
+    model.load_state_dict(toy['model'].state_dict())
+    with torch.no_grad():
+        model.decoder[-1].norm3.weight.zero_(), model.decoder[-1].norm3.bias.fill_(1.0)
+        model.embed.weight[cfg.eos_id] = -1.0
+        model.embed.weight[toy['enc'].encode_ordinary('alpha')[0]] = 1.0
+    short, long = 'alpha beta', ' '.join(WORDS * 4)  # caps 3 + 50 and 49 + 50 > the table's 79
+    out = list(T.translate_lines(model, toy['enc'], [short, long], greedy=True, first_line=7))
+    err = capsys.readouterr().err
+    assert len(toy['enc'].encode_ordinary(out[1])) >= cfg.max_len - 2
+    assert 'line 8:' in err and f'max_len {cfg.max_len}' in err and 'line 7:' not in err
 
 
 def test_hypotheses_never_contain_line_breaks(toy, monkeypatch):

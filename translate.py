@@ -332,14 +332,6 @@ def load_ct2(path, device='cpu', compute_type='default'):
 # -----------------------------------------------------------------------------------------------
 # translation
 
-def source_limit(cfg, max_len_a, max_len_b):
-    # Source tokens + EOS must fit the positional table, and so should the longest output allowed,
-    # a * |src incl. EOS| + b (model.max_lengths), or long sentences would be cut off mid-translation.
-    n = cfg.max_len - 1
-    room = (cfg.max_len - 1 - max_len_b) / max_len_a - 1 if max_len_a > 0 else n
-    return min(n, int(room)) if room >= 1 else n
-
-
 def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b=50, max_tokens=4096,
                     nbest=1, greedy=False, dtype=None, first_line=1, stats=None, early_stop=False):
     """Yields one result per line of `lines`, in input order, each as soon as it and all lines before
@@ -352,7 +344,10 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
         raise ValueError(f"nbest {nbest} needs a beam at least that wide")
     cfg = model.cfg
     device = model.device if isinstance(model, CT2Model) else next(model.parameters()).device
-    limit = source_limit(cfg, max_len_a, max_len_b)
+    # Source tokens + EOS fill at most the positional table. The output cap a * |src| + b is lowered to the
+    # table where it must be (model.max_lengths), as fairseq does, rather than cutting the source to leave
+    # room for it; a translation that reaches the lowered cap is named below.
+    limit = cfg.max_len - 1
     lines, srcs = list(lines), {}
     for i, line in enumerate(lines):
         if line.strip():
@@ -389,6 +384,11 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                         out = M.greedy_decode(model, src, max_len_a, max_len_b)
                     else:
                         out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, early_stop)
+                for i, hyps in zip(batch, out):
+                    cap = int(max_len_a * len(srcs[i]) + max_len_b)
+                    if cap > cfg.max_len - 1 and len(hyps[0][0]) >= cfg.max_len - 2:
+                        warn(f"line {first_line + i}: translation stopped at the model's limit of {cfg.max_len - 2} "
+                             f"tokens (max_len {cfg.max_len}), below a * |src| + b = {cap}")
                 done.update(zip(batch, out))
             while nxt < len(lines) and (nxt in done or nxt not in srcs):
                 hyps = done.pop(nxt, [([], 0.0)])

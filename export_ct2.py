@@ -104,14 +104,26 @@ def build_spec(model):
     return spec
 
 
+# What an export's folder holds: CTranslate2's files (a shared vocabulary, or one per side) and ours.
+EXPORT_FILES = {'model.bin', 'config.json', 'shared_vocabulary.json', 'source_vocabulary.json',
+                'target_vocabulary.json', 'tokenizer.json', T.CT2_MARKER}
+
+
 def export(model, tokenizer, out, quantization='none', force=False, info=None):
     """Writes the CTranslate2 export of model (a model.Transformer) to the directory out."""
-    out = os.path.normpath(out)
-    if os.path.lexists(out):
+    out = os.path.realpath(out)  # through a symlink: the link stays, its target is replaced
+
+    def check_out():
+        if not os.path.lexists(out):
+            return
         if not force:
             T.fail(f"{out} already exists; use --force to replace it")
         if not os.path.isfile(os.path.join(out, T.CT2_MARKER)):
             T.fail(f"{out} exists and is not an export of export_ct2.py; not replacing it")
+        others = sorted(set(os.listdir(out)) - EXPORT_FILES)
+        if others:  # --force replaces an export, not whatever else was put in its folder
+            T.fail(f"{out} holds files that are not the export's ({', '.join(others[:4])}); not replacing it")
+    check_out()
     spec = build_spec(model)
     spec.validate()
     spec.optimize(quantization=None if quantization == 'none' else quantization)
@@ -125,9 +137,15 @@ def export(model, tokenizer, out, quantization='none', force=False, info=None):
         with open(os.path.join(tmp, T.CT2_MARKER), 'w', encoding='utf-8') as f:
             json.dump({'format': 1, 'model_cfg': dataclasses.asdict(model.cfg), 'quantization': quantization,
                        'ctranslate2': ctranslate2.__version__, **(info or {})}, f, indent=1)
+        check_out()  # again: another export may have written out while this one was built
         if os.path.lexists(out):  # the old export is moved aside only once the new one is complete
             os.rename(out, old)
-        os.rename(tmp, out)
+        try:
+            os.rename(tmp, out)  # fails if out is a folder with files: written since check_out
+        except OSError:
+            if os.path.lexists(out):
+                T.fail(f"{out} already exists: another export wrote it meanwhile; use --force to replace it")
+            raise
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):

@@ -88,14 +88,14 @@ def test_an_existing_out_is_refused_without_force_and_replaced_whole_with_it(toy
     toy = toys[0][False]
     ckpt, out = str(toy['folder'] / 'ckpt.pt'), tmp_path / 'ct2'
     E.main(['--ckpt', ckpt, '--out', str(out)])
-    (out / 'stale').write_text('from the old export')
+    (out / 'source_vocabulary.json').write_text('[]')  # an older export's file, which the new one does not write
     with pytest.raises(SystemExit) as e:
         E.main(['--ckpt', ckpt, '--out', str(out), '--quantization', 'int8'])
     assert str(out) in str(e.value) and '--force' in str(e.value)
     assert json.loads((out / T.CT2_MARKER).read_text())['quantization'] == 'none'
     E.main(['--ckpt', ckpt, '--out', str(out), '--quantization', 'int8', '--force'])
     assert json.loads((out / T.CT2_MARKER).read_text())['quantization'] == 'int8'
-    assert not (out / 'stale').exists() and sorted(os.listdir(tmp_path)) == ['ct2']  # nothing left over
+    assert not (out / 'source_vocabulary.json').exists() and sorted(os.listdir(tmp_path)) == ['ct2']  # nothing left over
     # --force replaces an export, never another folder (here: a training folder).
     with pytest.raises(SystemExit) as e:
         E.main(['--ckpt', ckpt, '--out', str(toy['folder']), '--force'])
@@ -156,3 +156,30 @@ def test_bad_exports_and_options_are_one_line_errors(toys, tmp_path):
     with pytest.raises(SystemExit) as e:
         E.main(['--ckpt', str(tmp_path / 'missing.pt'), '--out', str(tmp_path / 'x')])
     assert 'missing.pt' in str(e.value) and not (tmp_path / 'x').exists()
+
+
+def test_force_replaces_only_an_export_and_two_exports_never_both_win(toys, tmp_path, monkeypatch):
+    ckpt = str(toys[0][False]['folder'] / 'ckpt.pt')
+    out = tmp_path / 'ct2'
+    E.main(['--ckpt', ckpt, '--out', str(out)])
+    (out / 'notes.txt').write_text('mine')  # the user's file in the export's folder
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', ckpt, '--out', str(out), '--force'])
+    assert 'notes.txt' in str(e.value) and (out / 'notes.txt').read_text() == 'mine'
+    (tmp_path / 'link').symlink_to(out)
+    (out / 'notes.txt').unlink()
+    E.main(['--ckpt', ckpt, '--out', str(tmp_path / 'link'), '--force', '--quantization', 'int8'])
+    assert (tmp_path / 'link').is_symlink() and T.load_ct2(str(out))[0].compute_type.startswith('int8')
+    assert sorted(os.listdir(tmp_path)) == ['ct2', 'link']
+    # Another export to the same place finishes while this one is being built: this one must not replace it.
+    build = E.build_spec
+
+    def meanwhile(model):
+        monkeypatch.setattr(E, 'build_spec', build)
+        E.main(['--ckpt', ckpt, '--out', str(tmp_path / 'new'), '--quantization', 'int8'])
+        return build(model)
+    monkeypatch.setattr(E, 'build_spec', meanwhile)
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', ckpt, '--out', str(tmp_path / 'new')])
+    assert 'already exists' in str(e.value) and T.load_ct2(str(tmp_path / 'new'))[0].compute_type.startswith('int8')
+    assert sorted(os.listdir(tmp_path)) == ['ct2', 'link', 'new']

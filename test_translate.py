@@ -280,10 +280,11 @@ def test_output_file_appears_only_when_complete(toy, tmp_path, monkeypatch):
     monkeypatch.setattr(T, 'translate_lines', stopped)
     with pytest.raises(KeyboardInterrupt):
         T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out)])
-    assert out.read_text() == 'the previous translation\n' and (tmp_path / 'hyp.tmp').read_text() == 'first\n'
+    # The old file stands, and the stopped run's part is gone (not left to look like a result).
+    assert out.read_text() == 'the previous translation\n' and sorted(os.listdir(tmp_path)) == ['hyp']
     monkeypatch.undo()
     T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(out)])
-    assert len(out.read_text().splitlines()) == len(toy['lines']) and not (tmp_path / 'hyp.tmp').exists()
+    assert len(out.read_text().splitlines()) == len(toy['lines']) and sorted(os.listdir(tmp_path)) == ['hyp']
     with pytest.raises(SystemExit) as e:  # before the model loads
         T.main(['--ckpt', str(tmp_path / 'missing.pt'), '--input', toy['src'], '--output', str(tmp_path / 'no' / 'hyp')])
     assert f"--output {tmp_path / 'no' / 'hyp'}: No such file or directory" in str(e.value)
@@ -293,6 +294,72 @@ def test_output_file_appears_only_when_complete(toy, tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:  # a folder without --average-last
         T.main(['--ckpt', str(tmp_path), '--input', toy['src']])
     assert f'{tmp_path} is a folder' in str(e.value) and '--average-last' in str(e.value)
+
+
+def test_an_output_is_never_an_input_a_folder_or_another_runs_temporary_file(toy, tmp_path):
+    theirs = tmp_path / 'hyp.tmp'  # another run's, or the user's
+    theirs.write_text('not ours\n')
+    with pytest.raises(SystemExit):
+        T.main(['--ckpt', str(tmp_path / 'missing.pt'), '--input', toy['src'], '--output', str(tmp_path / 'hyp')])
+    T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(tmp_path / 'hyp')])
+    assert theirs.read_text() == 'not ours\n' and len((tmp_path / 'hyp').read_text().splitlines()) == len(toy['lines'])
+    src, ckpt = tmp_path / 'src', tmp_path / 'ckpt.pt'
+    src.write_text('alpha beta\n')
+    ckpt.write_bytes(open(toy['ckpt'], 'rb').read())
+    for args in (['--input', str(src), '--output', str(src)], ['--input', str(src), '--output', str(ckpt)],
+                 ['--input', toy['src'], '--ref', str(src), '--output', str(src)]):
+        with pytest.raises(SystemExit) as e:
+            T.main(['--ckpt', str(ckpt), *args])
+        assert 'would overwrite' in str(e.value)
+    assert src.read_text() == 'alpha beta\n' and T.read_checkpoint(str(ckpt))
+    (tmp_path / 'sub').mkdir()
+    with pytest.raises(SystemExit) as e:  # before the model loads, not in the rename at the end
+        T.main(['--ckpt', str(tmp_path / 'missing.pt'), '--input', str(src), '--output', str(tmp_path / 'sub')])
+    assert f"--output {tmp_path / 'sub'} is a folder" in str(e.value)
+    (tmp_path / 'real').write_text('old\n')
+    (tmp_path / 'link').symlink_to(tmp_path / 'real')
+    T.main(['--ckpt', str(ckpt), '--input', str(src), '--output', str(tmp_path / 'link')])
+    assert (tmp_path / 'link').is_symlink() and (tmp_path / 'real').read_text() != 'old\n'
+    assert not list(tmp_path.glob('*.tmp')) or list(tmp_path.glob('*.tmp')) == [theirs]
+
+
+def test_averaging_refuses_to_overwrite_its_inputs_or_mix_runs(toy, tmp_path):
+    folder = tmp_path / 'run'
+    folder.mkdir()
+    ckpt = torch.load(toy['ckpt'], weights_only=True)
+    for step in (1, 2):
+        torch.save(ckpt, folder / f'ckpt_{step:07d}.pt')
+    with pytest.raises(SystemExit) as e:
+        T.main(['--ckpt', str(folder), '--average-last', '2', '--input', toy['src'],
+                '--save-average', str(folder / 'ckpt_0000002.pt')])
+    assert 'would overwrite' in str(e.value)
+    with pytest.raises(SystemExit) as e:  # a missing --ckpt is not its folder
+        T.main(['--ckpt', str(folder / 'nope.pt'), '--average-last', '2', '--input', toy['src']])
+    assert 'nope.pt' in str(e.value) and 'not found' in str(e.value)
+    other = {**ckpt, 'tokenizer': {**ckpt['tokenizer'], 'pattern': ckpt['tokenizer']['pattern'] + '|x'}}
+    torch.save(other, folder / 'ckpt_0000003.pt')
+    with pytest.raises(SystemExit) as e:
+        T.average_checkpoints([str(folder / 'ckpt_0000002.pt'), str(folder / 'ckpt_0000003.pt')])
+    assert 'ckpt_0000003.pt' in str(e.value) and 'tokenizer' in str(e.value)
+    torch.save({**ckpt, 'model_cfg': {**ckpt['model_cfg'], 'eos_id': 5}}, folder / 'ckpt_0000004.pt')
+    with pytest.raises(SystemExit) as e:
+        T.average_checkpoints([str(folder / 'ckpt_0000002.pt'), str(folder / 'ckpt_0000004.pt')])
+    assert 'ckpt_0000004.pt' in str(e.value) and 'eos_id' in str(e.value)
+
+
+def test_non_finite_settings_and_unknown_devices_are_one_line_errors(toy, capsys):
+    for flags in (['--max-len-a', 'nan'], ['--max-len-a', 'inf'], ['--lenpen', 'nan'], ['--device', 'foo'],
+                  ['--device', 'meta']):
+        with pytest.raises(SystemExit) as e:
+            T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], *flags])
+        assert e.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_a_full_disk_is_a_one_line_error(toy):
+    with open('/dev/full', 'w') as full:
+        r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt'], '--input',
+                            toy['src'], '--greedy'], stdout=full, stderr=subprocess.PIPE, env=ENV, cwd=HERE, timeout=120)
+    assert r.returncode == 1 and b'No space left on device' in r.stderr and b'Traceback' not in r.stderr
 
 
 def test_a_reader_that_stops_early_is_no_traceback(toy, tmp_path):

@@ -12,9 +12,11 @@ import argparse
 import ctypes
 import glob
 import json
+import math
 import os
 import re
 import sys
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -38,15 +40,43 @@ def warn(msg):
 # -----------------------------------------------------------------------------------------------
 # checkpoints
 
+def temporary(path):
+    """A new, empty file beside path, for writing it under another name and renaming it into place when
+    complete. Its name is unique: two runs writing one file never touch each other's, nor a user's NAME.tmp."""
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + '.', suffix='.tmp', dir=os.path.dirname(path) or '.')
+    os.close(fd)
+    return tmp
+
+
 def save_atomic(obj, path):
     # Write then rename: a crash or a full disk mid-save never leaves a truncated file under the real name.
     # fsync before the rename, or a power cut can leave the new name pointing at unwritten blocks.
-    tmp = f"{path}.tmp"
-    with open(tmp, 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = temporary(path)
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
+def output_path(flag, path, inputs):
+    """The file an output flag writes, checked before any work: a symlink's target (the link stays),
+    never a folder or one of the run's inputs, and in a folder where a temporary file can be made."""
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
+        fail(f"{flag} {path} is a folder")
+    if os.path.exists(real) and any(q and os.path.exists(q) and os.path.samefile(q, real) for q in inputs):
+        fail(f"{flag} {path} is one of this run's inputs, which it would overwrite")
+    if not os.path.exists(real) or os.path.isfile(real):  # a device or a pipe is written as it is
+        try:
+            os.remove(temporary(real))
+        except OSError as e:
+            fail(f"{flag} {path}: {e.strerror}")
+    return real
 
 
 def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
@@ -164,12 +194,20 @@ def average_checkpoints(paths):
     Sums in float64, then casts each tensor back to its own dtype; non-float tensors come from the last."""
     if not paths:
         raise ValueError("average_checkpoints: no checkpoints given")
-    total, dtypes = None, {}
+    total, dtypes, first = None, {}, None
     for p in paths:
-        sd = read_checkpoint(p, keys=('model',))['model']
+        ckpt = read_checkpoint(p, keys=('model',))
+        sd = ckpt['model']
         if total is None:
-            total, dtypes = {}, {k: v.dtype for k, v in sd.items()}
-        elif sd.keys() != total.keys():
+            total, dtypes, first = {}, {k: v.dtype for k, v in sd.items()}, ckpt
+        # Weights of one shape from two runs average to nonsense: same tokenizer and model config, or no mean.
+        if ckpt.get('tokenizer') != first.get('tokenizer'):
+            fail(f"{p}: its tokenizer differs from that of {paths[0]}: not checkpoints of one run")
+        cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}
+        diff = sorted(k for k in cfg.keys() | cfg0.keys() if cfg.get(k) != cfg0.get(k) and 'dropout' not in k)
+        if diff:  # dropout is a training setting (a fine-tune may change it), the rest the architecture
+            fail(f"{p}: its model config differs from that of {paths[0]} in {', '.join(diff)}")
+        if ckpt is not first and sd.keys() != total.keys():
             fail(f"{p}: its parameters differ from those of {paths[0]}")
         for k, v in sd.items():
             if not v.is_floating_point():
@@ -194,6 +232,8 @@ def checkpoints(folder, prefix='ckpt'):
 def newest_checkpoints(path, n):
     if n < 1:  # found[-n:] would quietly take the oldest
         fail(f"--average-last {n}: must be at least 1")
+    if not os.path.exists(path):  # not quietly its folder
+        fail(f"checkpoint {path} not found")
     folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
     found = checkpoints(folder)
     if not found:
@@ -441,6 +481,33 @@ def paper_bleu(hyps, refs):
 # -----------------------------------------------------------------------------------------------
 # command line
 
+def write_translations(args, model, enc, lines, out, opts, interactive):
+    """-> None for an interactive session; else stats (translate_lines'), the best hypotheses, seconds."""
+
+    def write(result):
+        if args.nbest == 1:
+            out.write(result + '\n')
+            return result
+        result += [(float('-inf'), '')] * (args.nbest - len(result))  # always exactly N lines per input
+        out.write(''.join(f"{s:.4f}\t{t}\n" for s, t in result))
+        return result[0][1]
+
+    if interactive:  # one line at a time, as typed
+        print(f"translate.py: {args.ckpt} loaded; type a sentence, Ctrl-D to quit", file=sys.stderr)
+        try:
+            for n, line in enumerate(data_prep.read_lines(None, errors='replace'), 1):
+                write(list(translate_lines(model, enc, [line], first_line=n, **opts))[0])
+                out.flush()
+        except KeyboardInterrupt:
+            pass
+        return None
+    stats, hyps, t0 = {}, [], time.time()
+    for result in translate_lines(model, enc, lines, stats=stats, **opts):
+        hyps.append(write(result))
+        out.flush()  # streaming: each line is visible as soon as it and those before it are done
+    return stats, hyps, max(time.time() - t0, 1e-9)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Translate a file or stdin with a trained checkpoint.")
     p.add_argument('--ckpt', required=True,
@@ -475,6 +542,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.beam < 1 or args.max_tokens < 1 or not 1 <= args.nbest <= (1 if args.greedy else args.beam):
         p.error("need beam >= 1, max-tokens >= 1 and 1 <= nbest <= beam (1 with --greedy)")
+    for flag, value in (('--max-len-a', args.max_len_a), ('--lenpen', args.lenpen)):
+        if value is not None and not math.isfinite(value):
+            p.error(f"{flag} must be a finite number, got {value}")
     if args.lenpen is not None and args.lenpen < 0:
         p.error("--lenpen must be at least 0")
     if args.max_len_a < 0 or args.max_len_b < 0:
@@ -490,6 +560,12 @@ def main(argv=None):
         p.error("--ct2-compute-type is for a CTranslate2 export (export_ct2.py)")
     args.device = args.device or (CT2Model.default_device() if ct2 else
                                   'cuda' if torch.cuda.is_available() else 'cpu')
+    try:
+        device_type = torch.device(args.device).type
+    except RuntimeError:
+        device_type = None
+    if device_type not in ('cpu', 'cuda'):
+        p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
     if args.device == 'cpu':
         keep_freed_memory()
     if args.device.startswith('cuda') and not ct2 and not torch.cuda.is_available():
@@ -497,13 +573,12 @@ def main(argv=None):
     interactive = args.input is None and sys.stdin.isatty()
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
-    for flag, path in (('--output', args.output), ('--save-average', args.save_average)):
-        if path:  # before the model loads: a path that cannot be written fails at once
-            try:
-                open(path + '.tmp', 'w').close()
-                os.remove(path + '.tmp')
-            except OSError as e:
-                fail(f"{flag} {path}: {e.strerror}")
+    # Before the model loads: an output that cannot be written fails at once.
+    inputs = [args.input, args.ref, args.ckpt if os.path.isfile(args.ckpt) else None]
+    if args.output:
+        args.output = output_path('--output', args.output, inputs)
+    if args.save_average:
+        args.save_average = output_path('--save-average', args.save_average, inputs + [args.output])
     lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
     refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
     if refs is not None and lines is not None and len(refs) != len(lines):
@@ -513,6 +588,8 @@ def main(argv=None):
         model, enc = load_ct2(args.ckpt, args.device, args.ct2_compute_type)
     elif args.average_last:
         paths = newest_checkpoints(args.ckpt, args.average_last)
+        if args.save_average and args.save_average in map(os.path.realpath, paths):
+            fail(f"--save-average {args.save_average} is one of the checkpoints it averages, which it would overwrite")
         warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
         model, enc, ckpt = load_checkpoint(paths[-1], args.device, average_checkpoints(paths))
         if args.save_average:
@@ -533,39 +610,31 @@ def main(argv=None):
     opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                 max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype,
                 early_stop=args.early_stop)
+    tmp = None
     if args.output:  # a temporary name until complete: a stopped run leaves no finished-looking file
-        out = open(args.output + '.tmp', 'w', encoding='utf-8', newline='\n')
+        tmp = temporary(args.output) if os.path.isfile(args.output) or not os.path.exists(args.output) else None
+        out = open(tmp or args.output, 'w', encoding='utf-8', newline='\n')
     else:
         sys.stdout.reconfigure(encoding='utf-8', newline='\n')
         out = sys.stdout
-
-    def write(result):
-        if args.nbest == 1:
-            out.write(result + '\n')
-            return result
-        result += [(float('-inf'), '')] * (args.nbest - len(result))  # always exactly N lines per input
-        out.write(''.join(f"{s:.4f}\t{t}\n" for s, t in result))
-        return result[0][1]
-
-    if interactive:  # one line at a time, as typed
-        print(f"translate.py: {args.ckpt} loaded; type a sentence, Ctrl-D to quit", file=sys.stderr)
-        try:
-            for n, line in enumerate(data_prep.read_lines(None, errors='replace'), 1):
-                write(list(translate_lines(model, enc, [line], first_line=n, **opts))[0])
-                out.flush()
-        except KeyboardInterrupt:
-            pass
-    else:
-        stats, hyps, t0 = {}, [], time.time()
-        for result in translate_lines(model, enc, lines, stats=stats, **opts):
-            hyps.append(write(result))
-            out.flush()  # streaming: each line is visible as soon as it and those before it are done
-        dt = max(time.time() - t0, 1e-9)
-    if out is not sys.stdout:
-        out.close()
-        os.replace(args.output + '.tmp', args.output)
-    if interactive:
+    try:
+        done = write_translations(args, model, enc, lines, out, opts, interactive)
+        if out is not sys.stdout:
+            out.close()
+            if tmp:
+                os.replace(tmp, args.output)
+    except BrokenPipeError:
+        raise
+    except OSError as e:  # a full disk, a device that went away
+        if out is sys.stdout:  # nothing more to flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        fail(f"{args.output or 'standard output'}: {e.strerror}")
+    finally:
+        if tmp and os.path.exists(tmp):
+            os.remove(tmp)
+    if done is None:
         return
+    stats, hyps, dt = done
     print(f"translate.py: {stats['sentences']} sentences in {dt:.1f}s: {stats['sentences'] / dt:.1f} "
           f"sentences/s, {stats['tgt_tokens'] / dt:.0f} target tokens/s ({args.device}, "
           f"{f'CTranslate2 {model.compute_type}' if ct2 else dtype}, "
@@ -586,3 +655,5 @@ if __name__ == '__main__':
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         sys.exit(1)
+    except KeyboardInterrupt:  # the output file, if any, is left as it was
+        sys.exit("translate.py: interrupted")

@@ -294,6 +294,11 @@ def train_tokenizer(texts, vocab_size, name):
             'special_tokens': {s: len(ranks) + i for i, s in enumerate(SPECIALS)}}
 
 
+def same_tokenizer(a, b):
+    # The name is a label (the data folder's); the pattern, merges and special tokens are the tokenizer.
+    return {k: v for k, v in a.items() if k != 'name'} == {k: v for k, v in b.items() if k != 'name'}
+
+
 def tokenizer_dict(data_dir):
     """The tokenizer of a prepared directory as a JSON-able dict (train.py embeds it in checkpoints)."""
     return read_json(os.path.join(data_dir, 'tokenizer.json'))
@@ -322,7 +327,10 @@ def load_tokenizer(path_or_dict):
 
 def load_meta(data_dir):
     """A prepared directory's meta.json: languages, vocabulary size, special ids, token dtype, split sizes."""
-    return read_json(os.path.join(data_dir, 'meta.json'))
+    meta = read_json(os.path.join(data_dir, 'meta.json'))
+    if not isinstance(meta, dict):
+        raise ValueError(f"{os.path.join(data_dir, 'meta.json')}: not a JSON object")
+    return meta
 
 
 def load_split(data_dir, split):
@@ -334,7 +342,7 @@ def load_split(data_dir, split):
         for lang in (meta['src'], meta['tgt']):
             sides.append(np.memmap(os.path.join(data_dir, f'{split}.{lang}.bin'), dtype=meta['dtype'], mode='r'))
             sides.append(np.fromfile(os.path.join(data_dir, f'{split}.{lang}.idx'), dtype=np.int64))
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a dtype numpy does not know
         sys.exit(f'error: {data_dir} is incomplete or damaged ({split}: {e}): prepare it again with data_prep.py')
     # A truncated .bin would otherwise load, and batches would read past its end (collate clamps).
     for lang, tokens, offsets in ((meta['src'], *sides[:2]), (meta['tgt'], *sides[2:])):
@@ -551,12 +559,18 @@ def prepare(args):
                 'max_len': args.max_len, 'max_ratio': args.max_ratio,
                 'files': {split: [[label(s), label(t)] for s, t in fs] for split, fs in files.items()}}
     meta_path = os.path.join(out, 'meta.json')
-    if os.path.exists(meta_path) and not args.force:
-        meta = load_meta(out)
+    if os.path.isfile(meta_path) and not args.force:
+        try:
+            meta = load_meta(out)
+        except (OSError, ValueError) as e:
+            print(f'{e}: preparing {out} again')
+            meta = {}
         if meta.get('settings') == settings:
             print(f'{out} is already prepared with these settings (--force to redo it)')
             return meta
     os.makedirs(out, exist_ok=True)
+    if os.path.isdir(meta_path):
+        sys.exit(f'error: {meta_path} is a folder; remove it to prepare {out} here')
     if os.path.exists(meta_path):
         os.remove(meta_path)  # meta.json marks a finished directory: from here on this one is not
     for f in os.listdir(out):

@@ -331,6 +331,10 @@ def test_rerun_with_same_settings_is_skipped_and_other_settings_redo(tmp_path, c
     assert stamps == {name: os.stat(root / 'out' / name).st_mtime_ns for name in os.listdir(root / 'out')}
     again = data_prep.main(custom_args(root, root / 'out', '--max-ratio', '0'))
     assert again['max_ratio'] == 0 and again['dropped']['ratio'] == 0
+    for damage in ('{"src":', '[]'):  # a damaged meta.json: prepared again, not a traceback
+        (root / 'out' / 'meta.json').write_text(damage)
+        assert data_prep.main(custom_args(root, root / 'out', '--max-ratio', '0'))['max_ratio'] == 0
+        assert 'meta.json' in capsys.readouterr().out
 
 # -----------------------------------------------------------------------------------------------
 # tokenizer

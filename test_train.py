@@ -152,6 +152,7 @@ def test_fresh_run_into_a_used_out_dir_is_refused_unless_overwrite(data_dir, tmp
 def test_overwrite_deletes_the_old_run_only_once_every_input_has_loaded(data_dir, tmp_path):
     train(['--max_steps=2', '--save_interval=1'], tmp_path, data_dir)
     train(['--max_steps=1', '--overwrite=True'], tmp_path, tmp_path / 'typo', ok=False)
+    train(['--max_steps=1', '--overwrite=True', '--max_len=5'], tmp_path, data_dir, ok=False)  # a later check
     assert len(records(tmp_path, 'loss')) == 2 and os.path.exists(tmp_path / 'ckpt.pt')
     # fine-tuning from this out_dir's own checkpoint into it, starting over
     train(['--max_steps=1', '--overwrite=True', f'--init_from={tmp_path / "ckpt.pt"}'], tmp_path, data_dir)
@@ -228,6 +229,11 @@ def test_incomplete_data_dir_is_a_one_line_error(data_dir, tmp_path):
         res = train(['--max_steps=1'], tmp_path / 'run', tmp_path / 'data', ok=False)
         assert 'is incomplete or damaged' in res.stderr and name in res.stderr, res.stderr
         os.replace(tmp_path / name, tmp_path / 'data' / name)
+    meta = json.loads((tmp_path / 'data' / 'meta.json').read_text())
+    for damage in ([1, 2], {**meta, 'dtype': 'float99'}, {**meta, 'vocab_size': 10}):
+        (tmp_path / 'data' / 'meta.json').write_text(json.dumps(damage))
+        res = train(['--max_steps=1'], tmp_path / 'run', tmp_path / 'data', ok=False)
+        assert 'is incomplete or damaged' in res.stderr, res.stderr
 
 
 def test_sentence_longer_than_max_len_is_a_one_line_error_before_training(data_dir, tmp_path):
@@ -338,12 +344,41 @@ def test_resumed_run_counts_the_training_time_already_spent(data_dir, tmp_path):
     assert 0 < state['elapsed'] < 300
     torch.save({**state, 'elapsed': 600.0}, tmp_path / 'state_0000003.pt')  # as if it had trained 10 minutes
     res = train(['--max_steps=50', '--max_minutes=5.0', '--init_from=resume'], tmp_path, data_dir)
-    assert 'max_minutes=5.0 reached at step 4' in res.stdout
+    # Its time was already spent: not one more step on each resume.
+    assert 'max_minutes=5.0 reached at step 3' in res.stdout and translate.checkpoints(str(tmp_path))[-1].endswith('3.pt')
+
+
+def test_tokenizers_that_differ_only_in_name_are_the_same(data_dir, tmp_path):
+    train(['--max_steps=1'], tmp_path / 'a', data_dir)
+    renamed = tmp_path / 'renamed'
+    shutil.copytree(data_dir, renamed)
+    tok = json.loads((renamed / 'tokenizer.json').read_text())
+    (renamed / 'tokenizer.json').write_text(json.dumps({**tok, 'name': 'renamed'}))
+    train(['--max_steps=1', f'--init_from={tmp_path / "a" / "ckpt.pt"}'], tmp_path / 'b', renamed)
+
+
+def test_validation_pairs_over_max_tokens_are_named_and_none_left_is_an_error(tmp_path):
+    rng, words = random.Random(0), [f'w{i}' for i in range(40)]
+    for split, n, lo, hi in [('train', 400, 2, 4), ('valid', 20, 8, 12), ('test', 5, 2, 4)]:  # long valid pairs
+        src = [[rng.choice(words) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+        (tmp_path / f'{split}.xx').write_text('\n'.join(' '.join(x) for x in src) + '\n')
+        (tmp_path / f'{split}.yy').write_text('\n'.join(' '.join(x[::-1]) for x in src) + '\n')
+    data = str(tmp_path / 'data')
+    subprocess.run([sys.executable, 'data_prep.py', 'custom', '--train', str(tmp_path / 'train'), '--valid',
+                    str(tmp_path / 'valid'), '--test', str(tmp_path / 'test'), '--src', 'xx', '--tgt', 'yy',
+                    '--vocab-size', '300', '--out', data], cwd=HERE, check=True, capture_output=True)
+    t, v = (data_prep.pair_sizes(data_prep.load_split(data, split)) for split in ('train', 'valid'))
+    assert v.min() > t.max()
+    res = train(['--max_steps=1', f'--max_tokens={int(sorted(v)[len(v) // 2])}'], tmp_path / 'a', data)
+    assert 'validation pairs need more than max_tokens' in res.stdout
+    res = train(['--max_steps=1', f'--max_tokens={int(t.max())}'], tmp_path / 'b', data, ok=False)
+    assert 'every validation pair' in res.stderr
 
 
 def test_resume_with_another_architecture_or_optimizer_setting_is_refused(data_dir, tmp_path):
     train(['--max_steps=2', '--save_interval=2'], tmp_path, data_dir)
-    for arg in ('--d_model=64', '--weight_decay=0.1', '--dropout=0.3'):
+    # seed and max_tokens make the batch plan that the saved position indexes: another would skip or repeat data
+    for arg in ('--d_model=64', '--weight_decay=0.1', '--dropout=0.3', '--seed=7', '--max_tokens=300'):
         res = train(['--max_steps=4', '--init_from=resume', arg], tmp_path, data_dir, ok=False)
         assert arg[2:] in res.stderr and "(the run's:" in res.stderr and '--init_from=' in res.stderr
     train(['--max_steps=4', '--init_from=resume', '--log_interval=2'], tmp_path, data_dir)  # not fixed by the state
@@ -404,6 +439,17 @@ def test_cooldown_follows_max_steps_when_the_steps_run_out_first():
     (['--dropout=1.5'], 'dropout must be at least 0 and below 1'),
     (['--label_smoothing=1.0'], 'label_smoothing must be at least 0 and below 1'),
     (['--max_bad_steps=0'], 'max_bad_steps must be at least 1'),
+    (['--beta1=1.5'], 'beta1 must be at least 0 and below 1'),
+    (['--lr=-0.5'], 'lr must be at least 0'),
+    (['--lr_scale=-1.0'], 'lr_scale must be at least 0'),
+    (['--adam_eps=-1.0'], 'adam_eps must be at least 0'),
+    (['--weight_decay=-1.0'], 'weight_decay must be at least 0'),
+    (['--save_interval=-1'], 'save_interval must be at least 0'),
+    (['--max_minutes=-1.0'], 'max_minutes must be at least 0'),
+    (['--bleu_interval=-2'], 'bleu_interval must be at least -1'),
+    (['--schedule=cosine'], "schedule must be 'noam' or 'inverse_sqrt'"),
+    (['--device=cpux'], "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    (['--t_process=0.0'], "unknown setting 't_process'"),
 ])
 def test_bad_settings_give_clear_errors(args, message, tmp_path):
     # an out_dir of its own: the default one may hold a finished run in a working checkout
@@ -411,6 +457,7 @@ def test_bad_settings_give_clear_errors(args, message, tmp_path):
                          capture_output=True, text=True)
     assert res.returncode != 0
     assert message in res.stderr and 'Traceback' not in res.stderr
+    assert not os.path.exists(os.path.join(tmp_path, 'run', 'log.jsonl'))  # no run left behind to block the next
 
 
 def test_unknown_key_in_config_file_is_named(tmp_path):

@@ -28,7 +28,7 @@ import data_prep
 import model as M
 import translate
 
-t_process = time.time()
+_t_process = time.time()  # '_': not a setting
 
 # -----------------------------------------------------------------------------------------------
 # I/O
@@ -137,15 +137,31 @@ for key in ('max_tokens', 'update_freq', 'max_steps', 'warmup', 'log_interval', 
         sys.exit(f"{key} must be at least 1, got {config[key]}")
 if bleu_lenpen < 0:
     sys.exit(f"bleu_lenpen must be at least 0, got {bleu_lenpen}")
-for key in ('dropout', 'attn_dropout', 'label_smoothing'):
+for key in ('dropout', 'attn_dropout', 'label_smoothing', 'beta1', 'beta2'):
     if not 0 <= config[key] < 1:
         sys.exit(f"{key} must be at least 0 and below 1, got {config[key]}")
+if not ddp_timeout_minutes > 0:
+    sys.exit(f"ddp_timeout_minutes must be above 0, got {ddp_timeout_minutes}")
+for key in ('lr', 'lr_scale', 'adam_eps', 'weight_decay', 'clip_grad', 'max_minutes', 'save_minutes',
+            'eval_interval', 'save_interval'):
+    if not config[key] >= 0:  # 0: off, where it can be
+        sys.exit(f"{key} must be at least 0, got {config[key]}")
+if bleu_interval < -1:
+    sys.exit(f"bleu_interval must be at least -1 (-1: never), got {bleu_interval}")
+if schedule not in ('noam', 'inverse_sqrt'):
+    sys.exit(f"schedule must be 'noam' or 'inverse_sqrt', got {schedule!r}")
 if not 0 <= cooldown <= 1:
     sys.exit(f"cooldown must be between 0 and 1 (a share of the run), got {cooldown}")
 if d_model % n_heads:
     sys.exit(f"d_model={d_model} must be a multiple of n_heads={n_heads}")
 if dtype not in ('auto', 'float32', 'bfloat16', 'float16'):
     sys.exit(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+try:
+    _type = 'auto' if device == 'auto' else torch.device(device).type
+except RuntimeError:
+    _type = None
+if _type not in ('auto', 'cpu', 'cuda'):
+    sys.exit(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 if device.startswith('cuda') and not torch.cuda.is_available():
     sys.exit(f"device={device!r} but torch sees no GPU (device='auto' picks one when there is)")
 
@@ -215,9 +231,11 @@ try:  # the token files themselves are checked by load_split
     src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], meta['bos_id'], meta['eos_id']
     tokenizer = data_prep.tokenizer_dict(data_dir)
     enc = data_prep.load_tokenizer(tokenizer)
+    if not isinstance(meta['vocab_size'], int) or meta['vocab_size'] < enc.n_vocab:  # ids past the embedding
+        raise ValueError(f"meta.json: vocab_size {meta['vocab_size']!r} is below the tokenizer's {enc.n_vocab} tokens")
     valid_src, valid_ref = (open(os.path.join(data_dir, f'valid.{lang}.txt'), encoding='utf-8').read().splitlines()
                             for lang in (src_lang, tgt_lang))
-except (OSError, ValueError, KeyError) as e:
+except (OSError, ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: {data_dir} is incomplete or damaged ({type(e).__name__}: {e}): prepare it again with data_prep.py")
 
 
@@ -231,13 +249,14 @@ def get_batch(data, ids):
 
 train_data, valid_data = data_prep.load_split(data_dir, 'train'), data_prep.load_split(data_dir, 'valid')
 train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss counts
-sizes = data_prep.pair_sizes(train_data)
-if sizes.min() > max_tokens:
-    sys.exit(f"max_tokens={max_tokens} is smaller than every training pair in {data_dir}: the shortest needs "
-             f"{sizes.min()} padded tokens (its longer side + EOS); raise max_tokens to at least {sizes.min()}")
-if sizes.max() > max_tokens:
-    log(f"warning: {(sizes > max_tokens).sum()} training pairs need more than max_tokens={max_tokens} padded "
-        f"tokens and are skipped; max_tokens={sizes.max()} would keep them all")
+for split, data, fate in (('training', train_data, 'are skipped'), ('validation', valid_data, 'are left out of valid_loss')):
+    sizes = data_prep.pair_sizes(data)
+    if len(sizes) and sizes.min() > max_tokens:
+        sys.exit(f"max_tokens={max_tokens} is smaller than every {split} pair in {data_dir}: the shortest needs "
+                 f"{sizes.min()} padded tokens (its longer side + EOS); raise max_tokens to at least {sizes.min()}")
+    if len(sizes) and sizes.max() > max_tokens:
+        log(f"warning: {(sizes > max_tokens).sum()} {split} pairs need more than max_tokens={max_tokens} padded "
+            f"tokens and {fate}; max_tokens={sizes.max()} would keep them all")
 
 # -----------------------------------------------------------------------------------------------
 # model, optimiser, and the state to resume or fine-tune from
@@ -249,23 +268,15 @@ if init_from == 'resume':
     init_path, state = states[-1], translate.read_checkpoint(states[-1], ('model', 'model_cfg', 'tokenizer', 'optimizer'))
 elif init_from != 'scratch':
     init_path, state = init_from, translate.read_checkpoint(init_from)
-if state is not None and state['tokenizer'] != tokenizer:
+if state is not None and not data_prep.same_tokenizer(state['tokenizer'], tokenizer):
     # Same size is not enough: two BPEs of 8000 merges map the same ids to different words.
     sys.exit(f"{init_path} was trained with another tokenizer than {data_dir}/tokenizer.json: its token ids "
              f"would mean other words; train on data prepared with its tokenizer "
              f"(it came from {state.get('data_dir', 'an unknown data_dir')})")
-if init_from != 'resume' and run_files:
-    # --overwrite: the old run goes only now that every input has loaded (a typo in data_dir, or fine-tuning
-    # from this out_dir's own ckpt.pt, must not cost it), and only after every rank has listed it.
-    if ddp:
-        dist.barrier()
-    if master:
-        for f in run_files:
-            os.remove(os.path.join(out_dir, f))
-    if ddp:
-        dist.barrier()
 if init_from == 'resume':  # the saved architecture and optimizer state win: a different setting would be ignored
-    fixed = [f.name for f in fields(M.Config) if f.name in config] + ['beta1', 'beta2', 'adam_eps', 'weight_decay']
+    # seed and max_tokens too: they make the batch plan that the saved position (next_batch) indexes.
+    fixed = [f.name for f in fields(M.Config) if f.name in config] + ['beta1', 'beta2', 'adam_eps', 'weight_decay',
+                                                                     'seed', 'max_tokens']
     changed = [f"{k}={config[k]!r} (the run's: {state['config'][k]!r})" for k in fixed
                if k in state.get('config', {}) and config[k] != state['config'][k]]
     if changed:
@@ -292,6 +303,16 @@ raw_model = M.Transformer(model_cfg).to(device)
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                              weight_decay=weight_decay, fused=True)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
+if init_from != 'resume' and run_files:
+    # --overwrite: the old run goes only now that every input has loaded and the model is built (a typo in
+    # data_dir, a max_len too short, or fine-tuning from this out_dir's own ckpt.pt must not cost it), and only after every rank has listed it.
+    if ddp:
+        dist.barrier()
+    if master:
+        for f in run_files:
+            os.remove(os.path.join(out_dir, f))
+    if ddp:
+        dist.barrier()
 step, epoch, batch_idx, best_bleu, elapsed = 0, 0, 0, -1.0, 0.0
 if state is not None:
     raw_model.load_state_dict(state['model'])
@@ -323,10 +344,8 @@ if ddp:
 def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
         rate = lr_scale * model_cfg.d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-    elif schedule == 'inverse_sqrt':  # fairseq: linear warmup to lr, then lr * sqrt(warmup / step)
+    else:  # 'inverse_sqrt', fairseq's: linear warmup to lr, then lr * sqrt(warmup / step)
         rate = lr * min(step / warmup, (warmup / step) ** 0.5)
-    else:
-        sys.exit(f"schedule must be 'noam' or 'inverse_sqrt', got {schedule!r}")
     if cooldown > 0:  # linear decay to 0 over the last `cooldown` of the run, by whichever budget ends it first
         done = max(step / max_steps, elapsed / (max_minutes * 60) if max_minutes > 0 else 0.0)
         rate *= min(1.0, max(0.0, (1.0 - done) / cooldown))
@@ -433,7 +452,7 @@ log(json.dumps(config, indent=1))
 log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es) x update_freq "
     f"{update_freq} x max_tokens {max_tokens}; device {device}, {dtype}")
 plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
-log(f"{len(plan):,} batches this epoch; ready to train {time.time() - t_process:.1f}s after start")
+log(f"{len(plan):,} batches this epoch; ready to train {time.time() - _t_process:.1f}s after start")
 per_update = world * update_freq
 t_last = last_save = time.time()
 t_start = t_last - elapsed
@@ -442,6 +461,9 @@ tokens_since, clock = 0, elapsed  # clock: the elapsed seconds all ranks agree o
 loss_acc, nll_acc = torch.zeros((), device=device), torch.zeros((), device=device)
 streak, worst_streak, skipped = (torch.zeros((), device=device) for _ in range(3))
 raw_model.train()
+if max_minutes > 0 and elapsed > max_minutes * 60:  # resumed after its time ran out: not one more step
+    log(f"max_minutes={max_minutes} reached at step {step}")
+    max_steps = step
 while step < max_steps:
     if batch_idx + per_update > len(plan):  # the epoch's last few batches do not fill an update
         epoch, batch_idx = epoch + 1, 0

@@ -542,9 +542,11 @@ def prepare(args):
         sys.exit(f'error: no {args.corpus} files for {args.src}-{args.tgt}; known: {", ".join(CORPORA)}')
     if args.corpus == 'custom' and not (args.train and args.valid and args.test):
         sys.exit('error: custom needs --train, --valid and --test prefixes')
-    vocab_size = args.vocab_size or DEFAULT_VOCAB[key]
+    vocab_size = DEFAULT_VOCAB[key] if args.vocab_size is None else args.vocab_size
     if vocab_size < 256:
         sys.exit('error: --vocab-size counts the 256 byte tokens, so it must be at least 256')
+    if args.max_len < 0 or not args.max_ratio >= 0 or args.max_ratio == float('inf'):
+        sys.exit('error: --max-len and --max-ratio must be at least 0 (0: no limit) and finite')
     args.workers = max(1, args.workers)
     name = f'{args.corpus}_{args.src}_{args.tgt}'
     out = args.out or os.path.join('data', name)
@@ -589,6 +591,8 @@ def prepare(args):
     enc = load_tokenizer(tok)
     bpe_seconds = time.time() - t0
     print(f'BPE: {len(tok["ranks"])} tokens (+ {len(SPECIALS)} specials) learned in {bpe_seconds:.1f}s')
+    if len(tok['ranks']) < vocab_size:
+        print(f'warning: the training text holds no more merges: {len(tok["ranks"])} tokens of the {vocab_size} asked')
 
     langs, splits, raw, dropped = (args.src, args.tgt), {}, {}, {}
     for split in ('train', 'valid', 'test'):

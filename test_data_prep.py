@@ -445,6 +445,17 @@ def test_cli_errors_are_one_clean_message_not_a_traceback(tmp_path):
     assert r.returncode == 1 and 'Traceback' not in r.stderr and 'line counts differ' in r.stderr
 
 
+def test_out_of_range_settings_are_refused_not_quietly_replaced(tmp_path, capsys):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    for extra, message in [(['--vocab-size', '0'], 'at least 256'), (['--max-len', '-1'], '--max-len'),
+                           (['--max-ratio', '-1'], '--max-ratio'), (['--max-ratio', 'nan'], '--max-ratio')]:
+        with pytest.raises(SystemExit) as e:
+            data_prep.main(custom_args(tmp_path, tmp_path / 'o', *extra))
+        assert message in str(e.value) and not (tmp_path / 'o' / 'meta.json').exists()
+    meta = data_prep.main(custom_args(tmp_path, tmp_path / 'o', '--vocab-size', '100000'))  # more than 50 pairs hold
+    assert meta['vocab_size'] < 100000 and f"of the 100000 asked" in capsys.readouterr().out
+
+
 def test_empty_training_split_after_reading_or_cleaning_is_an_error(tmp_path):
     for name, train in [('empty', []), ('all_dropped', [('one two three four five six', 'eins')] * 5)]:
         root = tmp_path / name

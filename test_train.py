@@ -384,6 +384,14 @@ def test_resume_with_another_architecture_or_optimizer_setting_is_refused(data_d
     train(['--max_steps=4', '--init_from=resume', '--log_interval=2'], tmp_path, data_dir)  # not fixed by the state
 
 
+def test_resume_from_an_older_state_with_newer_snapshots_is_refused(data_dir, tmp_path):
+    # Their weights are another trajectory's: the final average would mix the two.
+    train(['--max_steps=4', '--save_interval=2', '--keep_state=2'], tmp_path, data_dir)
+    os.remove(tmp_path / 'state_0000004.pt')
+    res = train(['--max_steps=6', '--init_from=resume'], tmp_path, data_dir, ok=False)
+    assert 'ckpt_0000004.pt' in res.stderr and 'state_0000002.pt' in res.stderr
+
+
 def test_bleu_interval_is_kept_without_loss_evaluations(data_dir, tmp_path):
     train(['--max_steps=4', '--eval_interval=0', '--bleu_interval=2'], tmp_path, data_dir)
     assert [r['step'] for r in records(tmp_path, 'valid_bleu')] == [2, 4]

@@ -355,6 +355,12 @@ def test_non_finite_settings_and_unknown_devices_are_one_line_errors(toy, capsys
         assert e.value.code == 2 and flags[0] in capsys.readouterr().err
 
 
+def test_closed_standard_input_is_a_one_line_error(toy):
+    r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt']], capture_output=True,
+                       env=ENV, cwd=HERE, timeout=120, stdin=subprocess.DEVNULL, preexec_fn=lambda: os.close(0))
+    assert r.returncode == 2 and b'--input' in r.stderr and b'Traceback' not in r.stderr
+
+
 def test_a_full_disk_is_a_one_line_error(toy):
     with open('/dev/full', 'w') as full:
         r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt'], '--input',

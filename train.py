@@ -266,6 +266,10 @@ if init_from == 'resume':
     if not states:
         sys.exit(f"init_from='resume' but {out_dir} has no state_*.pt")
     init_path, state = states[-1], translate.read_checkpoint(states[-1], ('model', 'model_cfg', 'tokenizer', 'optimizer'))
+    newer = [os.path.basename(p) for p in translate.checkpoints(out_dir) if int(os.path.basename(p)[5:-3]) > state['step']]
+    if newer:  # another trajectory's weights (its state deleted or damaged): the final average would mix them in
+        sys.exit(f"{out_dir} holds snapshots newer than {init_path} (step {state['step']}): {', '.join(newer[:4])}; "
+                 f"move them out of it to resume from step {state['step']}")
 elif init_from != 'scratch':
     init_path, state = init_from, translate.read_checkpoint(init_from)
 if state is not None and not data_prep.same_tokenizer(state['tokenizer'], tokenizer):

@@ -570,6 +570,8 @@ def main(argv=None):
         keep_freed_memory()
     if args.device.startswith('cuda') and not ct2 and not torch.cuda.is_available():
         p.error(f"--device {args.device}: no GPU available")
+    if args.input is None and sys.stdin is None:
+        p.error("no --input, and standard input is closed")
     interactive = args.input is None and sys.stdin.isatty()
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")

@@ -183,10 +183,12 @@ def test_resume_or_fine_tune_with_another_tokenizer_is_refused(data_dir, other_d
 def test_fine_tune_starts_a_new_run_from_the_checkpoint_weights(data_dir, tmp_path):
     train(['--max_steps=3', '--d_model=48', '--n_heads=6'], tmp_path / 'a', data_dir)
     # lr 0: the new run's first snapshot must hold the source weights unchanged, at step 1, with a fresh optimizer
-    train(['--max_steps=1', '--lr=0.0', f'--init_from={tmp_path / "a" / "ckpt.pt"}'], tmp_path / 'b', data_dir)
+    res = train(['--max_steps=1', '--lr=0.0', f'--init_from={tmp_path / "a" / "ckpt.pt"}'], tmp_path / 'b', data_dir)
     src = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=False)
     new = torch.load(tmp_path / 'b' / 'state_0000001.pt', weights_only=False)
     assert new['model_cfg']['d_model'] == 48 and new['step'] == 1
+    # The settings' other d_model is said, and the saved config is the model's, not the ignored setting's.
+    assert "keeps the checkpoint's architecture: d_model=48" in res.stdout and new['config']['d_model'] == 48
     for k, v in src['model'].items():
         assert torch.equal(v, new['model'][k]), k
     assert all(s['step'].item() == 1 for s in new['optimizer']['state'].values())

@@ -442,6 +442,10 @@ def test_bad_checkpoints_are_clear_one_line_errors_naming_the_file(toy, tmp_path
         assert str(tmp_path / name) in msg and words[name] in msg and '\n' not in msg
     r = run(['--ckpt', str(tmp_path / 'missing.pt')], stdin=subprocess.DEVNULL)
     assert r.returncode != 0 and r.stderr.decode().strip().count('\n') == 0 and b'missing.pt' in r.stderr
+    (tmp_path / 'notes.pt').write_text('some text, not a checkpoint\n')
+    with pytest.raises(SystemExit) as e:  # not torch's advice to load it with weights_only=False (it runs code)
+        T.load_checkpoint(str(tmp_path / 'notes.pt'))
+    assert 'notes.pt' in str(e.value) and 'not a checkpoint' in str(e.value) and 'weights_only' not in str(e.value)
 
 
 def test_interactive_terminal_translates_each_line_as_typed(toy):

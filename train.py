@@ -293,6 +293,13 @@ if state is not None:
     model_cfg = M.Config(**state['model_cfg'])
     if init_from != 'resume':
         model_cfg.dropout, model_cfg.attn_dropout = dropout, attn_dropout
+        # Said, and the settings made to agree, so that the config saved with each checkpoint is the model's.
+        arch = {k: v for k, v in asdict(model_cfg).items() if k in config and config[k] != v}
+        if arch:
+            log(f"fine-tuning keeps the checkpoint's architecture: "
+                f"{', '.join(f'{k}={v!r} (settings: {config[k]!r})' for k, v in arch.items())}")
+            config.update(arch)
+            globals().update(arch)
 else:
     # Round the vocabulary up to a multiple of 8 so the output matmul maps onto tensor cores.
     model_cfg = M.Config(**{f.name: config[f.name] for f in fields(M.Config) if f.name in config},

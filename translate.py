@@ -87,7 +87,10 @@ def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
     try:  # weights_only: our checkpoints hold only tensors and plain containers, and loading runs no code
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
-        fail(f"cannot read checkpoint {path}: {type(e).__name__}: {(str(e).strip() + ' ').splitlines()[0]}")
+        # Not torch's advice for such files, to load them with weights_only=False: that runs their code.
+        detail = str(e).split('WeightsUnpickler error:')[-1].split('Check the documentation')[0].strip()
+        fail(f"cannot read checkpoint {path}: not a checkpoint, or a damaged one "
+             f"({type(e).__name__}: {(detail.splitlines() or [''])[0]})")
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         fail(f"{path} is not a model checkpoint: missing {', '.join(missing)}")

@@ -559,7 +559,10 @@ def prepare(args):
     files = source_files(args, key)
     settings = {'corpus': args.corpus, 'src': args.src, 'tgt': args.tgt, 'vocab_size': vocab_size,
                 'max_len': args.max_len, 'max_ratio': args.max_ratio,
-                'files': {split: [[label(s), label(t)] for s, t in fs] for split, fs in files.items()}}
+                'files': {split: [[label(s), label(t)] for s, t in fs] for split, fs in files.items()},
+                # A file rewritten under its old name is another corpus: its size and time say so.
+                'stamps': [list(x) for x in sorted({(p, os.stat(p).st_size, os.stat(p).st_mtime_ns)
+                                                    for fs in files.values() for pair in fs for p, _ in pair})]}
     meta_path = os.path.join(out, 'meta.json')
     if os.path.isfile(meta_path) and not args.force:
         try:

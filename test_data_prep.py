@@ -336,6 +336,14 @@ def test_rerun_with_same_settings_is_skipped_and_other_settings_redo(tmp_path, c
         assert data_prep.main(custom_args(root, root / 'out', '--max-ratio', '0'))['max_ratio'] == 0
         assert 'meta.json' in capsys.readouterr().out
 
+def test_rerun_after_the_corpus_files_changed_prepares_again(tmp_path, capsys):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    data_prep.main(custom_args(tmp_path, tmp_path / 'out'))
+    write_custom(tmp_path, {'train': toy_pairs(30, 12)})  # same names, other text
+    capsys.readouterr()
+    meta = data_prep.main(custom_args(tmp_path, tmp_path / 'out'))
+    assert 'already prepared' not in capsys.readouterr().out and meta['raw_pairs']['train'] == 30
+
 # -----------------------------------------------------------------------------------------------
 # tokenizer
 

@@ -375,6 +375,9 @@ def test_validation_pairs_over_max_tokens_are_named_and_none_left_is_an_error(tm
     assert 'validation pairs need more than max_tokens' in res.stdout
     res = train(['--max_steps=1', f'--max_tokens={int(t.max())}'], tmp_path / 'b', data, ok=False)
     assert 'every validation pair' in res.stderr
+    # A max_len that the training pairs fit: the message names the validation set, not data_prep's training filter.
+    res = train(['--max_steps=1', f'--max_len={int(t.max())}'], tmp_path / 'c', data, ok=False)
+    assert 'validation sentence of' in res.stderr and 'data_prep.py --max-len' not in res.stderr
 
 
 def test_resume_with_another_architecture_or_optimizer_setting_is_refused(data_dir, tmp_path):

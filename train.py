@@ -305,10 +305,12 @@ else:
     model_cfg = M.Config(**{f.name: config[f.name] for f in fields(M.Config) if f.name in config},
                          vocab_size=(meta['vocab_size'] + 7) // 8 * 8, pad_id=PAD, bos_id=BOS, eos_id=EOS)
 # Positions past max_len have no encoding: a longer sentence would stop the run at the first batch holding it.
-longest = max(int(np.diff(d[i]).max(initial=0)) for d in (train_data, valid_data) for i in (1, 3)) + 1  # + EOS or BOS
-if longest > model_cfg.max_len:
-    sys.exit(f"{data_dir} has a sentence of {longest} tokens (with EOS or BOS) but the model's max_len is "
-             f"{model_cfg.max_len}: raise max_len, or leave long training pairs out (data_prep.py --max-len)")
+for split, data, remedy in (('training', train_data, 'leave long training pairs out (data_prep.py --max-len)'),
+                            ('validation', valid_data, 'shorten the validation set')):
+    longest = max(int(np.diff(data[i]).max(initial=0)) for i in (1, 3)) + 1  # + EOS or BOS
+    if longest > model_cfg.max_len:
+        sys.exit(f"{data_dir} has a {split} sentence of {longest} tokens (with EOS or BOS) but the model's max_len "
+                 f"is {model_cfg.max_len}: raise max_len, or {remedy}")
 raw_model = M.Transformer(model_cfg).to(device)
 # Fused Adam (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync.
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,

@@ -4,6 +4,7 @@ How fast is model.py, measured on your own machine in one command:
     python bench.py                                     # small model, under 2 minutes on a 2-core CPU
     python bench.py --config base --batch-tokens 8192   # the paper's base model
     python bench.py --data data/NAME --peak h100 --json # real batches, MFU against a table peak, JSON
+    python bench.py --translate out/RUN/ckpt.pt --input SRC --ref REF   # decoding real text, vs CTranslate2
 
 Training: forward + backward + Adam step on token-based batches (synthetic lengths, or --data), for
 eager and torch.compile, float32 and bfloat16 autocast (bf16 only where native: translate.fast_dtype),
@@ -11,13 +12,18 @@ next to torch.nn.Transformer with the same dimensions, batch, masks, loss and op
 comes from the analytic count in flops_per_step; MFU divides it by a peak (a GPU table, or a GEMM timed
 here with --peak measured).
 Decoding: greedy with the KV cache and with full recomputation, and beam search, in sentences/s.
+--translate: only decoding, of real text by a trained checkpoint: translate.py as a user runs it, one process
+per row, on the checkpoint and on its CTranslate2 exports (float32, int8), rows alternating over --rounds.
 """
 import argparse
 import contextlib
 import json
 import math
 import os
+import re
 import resource
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -273,6 +279,81 @@ def ct2_runs(model, src, beam, out_len, device):
     return runs
 
 
+def bench_translate(args):
+    """Sentences/s, BLEU and output agreement of translate.py on real text, as the README's decoding table:
+    model.py (its exact stopping rule, and --early-stop, CTranslate2's) and the same weights exported to
+    CTranslate2 float32 and int8 (float16 and int8_float16 on a GPU), beam and greedy. Each row is a fresh
+    process, as a user runs it, so each pays its own start-up (oneDNN kernels, CTranslate2's loading);
+    rows alternate within each round, so a machine that slows down or speeds up does so for all of them."""
+    load, here = os.getloadavg()[0], os.path.dirname(os.path.abspath(__file__))
+    tmp = tempfile.TemporaryDirectory()
+    own = [] if args.device.startswith('cuda') else ['--dtype', 'float32']  # else translate.py's bf16 on a GPU
+    impls = [('model.py', args.translate, own, True)]
+    impls += [('model.py --early-stop', args.translate, own + ['--early-stop'], False)] if args.beam > 1 else []
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        print('ctranslate2 is not installed: model.py rows only', file=sys.stderr)
+    else:
+        for q in ('float16', 'int8_float16') if args.device.startswith('cuda') else ('none', 'int8'):
+            out = os.path.join(tmp.name, f'ct2_{q}')
+            run_checked([sys.executable, os.path.join(here, 'export_ct2.py'), '--ckpt', args.translate, '--out', out,
+                         '--quantization', q])
+            impls.append((f'CTranslate2 {"float32" if q == "none" else q}', out, [], True))
+    searches = [(f'beam {args.beam}', ['--beam', str(args.beam)])] if args.beam > 1 else []
+    searches.append(('greedy', ['--greedy']))
+    common = ['--input', args.input, '--device', args.device, '--max-tokens', str(args.max_tokens)]
+    common += ['--lenpen', str(args.lenpen)] if args.lenpen is not None else []
+    common += ['--ref', args.ref] if args.ref else []
+    rows = [dict(impl=impl, search=search, cmd=[path, *flags, *how], sents_per_s=[])
+            for search, how in searches for impl, path, flags, greedy_too in impls if greedy_too or search != 'greedy']
+    for _ in range(args.rounds):
+        for r in rows:
+            out = os.path.join(tmp.name, f'{rows.index(r)}.txt')
+            err = run_checked([sys.executable, os.path.join(here, 'translate.py'), '--ckpt', *r['cmd'], *common,
+                               '--output', out])
+            r['sents_per_s'].append(float(re.search(r'([\d.]+) sentences/s', err)[1]))
+            dtype = re.search(r'sentences/s, \d+ target tokens/s \([^,]+, ([^,]+),', err)[1]
+            r['dtype'] = dtype.removeprefix('torch.').removeprefix('CTranslate2 ')
+            r['bleu'] = float(re.search(r'sacreBLEU: BLEU = ([\d.]+)', err)[1]) if args.ref else None
+            with open(out, encoding='utf-8') as f:
+                r['lines'] = f.read().splitlines()
+    for r in rows:
+        ref = next(x for x in rows if x['search'] == r['search'])  # model.py's row of the same search
+        r['median_sents_per_s'] = statistics.median(r['sents_per_s'])
+        r['vs_model_py'] = r['median_sents_per_s'] / ref['median_sents_per_s']
+        r['same_as_model_py'] = sum(a == b for a, b in zip(r['lines'], ref['lines']))
+    record = dict(device=torch.cuda.get_device_name() if args.device.startswith('cuda') else cpu_name(),
+                  torch=torch.__version__, threads=torch.get_num_threads(), load_avg_before=load,
+                  ckpt=args.translate, input=args.input, sentences=len(rows[0]['lines']), rounds=args.rounds,
+                  rows=[{k: v for k, v in r.items() if k not in ('cmd', 'lines')} for r in rows])
+    tmp.cleanup()
+    if args.json:
+        print(json.dumps(record))
+        return record
+    print(f"{record['device']}, torch {record['torch']}, {record['threads']} threads; {args.translate} on "
+          f"{record['sentences']} lines of {args.input}, {args.rounds} round(s), a translate.py process per row")
+    if not args.device.startswith('cuda') and load > 0.5:
+        print('WARNING: other processes were using the CPU; close them and rerun for trustworthy figures')
+    hdr = f"{'search':<10}{'implementation':<23}{'dtype':<14}{'sent/s (each round)':<24}{'median':>8}{'vs model.py':>13}"
+    hdr += f"{'BLEU':>7}{'same as model.py':>18}"
+    print(hdr + '\n' + '-' * len(hdr))
+    for r in rows:
+        each = ' '.join(f'{x:.1f}' for x in r['sents_per_s'])
+        bleu = f"{r['bleu']:.2f}" if r['bleu'] is not None else '-'
+        print(f"{r['search']:<10}{r['impl']:<23}{r['dtype']:<14}{each:<24}{r['median_sents_per_s']:>8.1f}"
+              f"{r['vs_model_py']:>12.2f}x{bleu:>7}{r['same_as_model_py']:>12}/{record['sentences']}")
+    return record
+
+
+def run_checked(cmd):
+    """-> the command's stderr; a failed command ends bench.py with its own last line of error."""
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"bench.py: {' '.join(cmd[1:])} failed: {(res.stderr.strip() or 'no message').splitlines()[-1]}")
+    return res.stderr
+
+
 def bench_decode(cfg, src, dtype, beam, device, out_len):
     # An untrained model almost never emits EOS, so every output runs to its cap of out_len tokens and
     # EOS: each implementation does the same work, the per-step cost of decoding.
@@ -326,11 +407,26 @@ def parse_args(argv=None):
     p.add_argument('--beam', type=int, default=4)
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json', action='store_true', help='print one JSON record instead of tables')
-    return p.parse_args(argv)
+    g = p.add_argument_group('decoding real text (--translate)')
+    g.add_argument('--translate', metavar='CKPT', help='a checkpoint: decode --input with it and its CTranslate2 '
+                                                       'exports instead of the training and synthetic rows')
+    g.add_argument('--input', help='source text, one sentence per line')
+    g.add_argument('--ref', help='references: BLEU per row')
+    g.add_argument('--rounds', type=int, default=3, help='each row this many times, the rows alternating')
+    g.add_argument('--lenpen', type=float, help="translate.py's (default: the checkpoint's own)")
+    g.add_argument('--max-tokens', type=int, default=4096, help="translate.py's padded source tokens per batch")
+    args = p.parse_args(argv)
+    if args.translate and not args.input:
+        p.error('--translate needs --input')
+    if args.rounds < 1:
+        p.error('--rounds must be at least 1')
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.translate:
+        return bench_translate(args)
     t_start, load = time.perf_counter(), os.getloadavg()[0]  # other processes on the cores skew timings
     device = torch.device(args.device)
     if args.warmup is None:

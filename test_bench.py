@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import bench
 import model as M
 import translate as T
+from test_translate import reverse, toy  # noqa: F401  (toy: a module fixture, a trained checkpoint)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -141,3 +142,31 @@ def test_real_data_batches(tmp_path):
     cfg = M.Config(**{**bench.CONFIGS['tiny'], 'vocab_size': 20})
     (b,) = bench.make_batches(pairs[:3], 1000, cfg, np.random.default_rng(0), 1, 'cpu')
     assert b['n_src'] == sum(len(s) + 1 for s, _ in pairs[:3]) and b['n_tgt'] == sum(len(t) + 1 for _, t in pairs[:3])
+
+
+def test_translate_rows_decode_the_same_lines_with_model_py_and_its_exports(toy, tmp_path, monkeypatch):
+    monkeypatch.setenv('OMP_NUM_THREADS', '1')  # see one_thread: each row is a translate.py process
+    ref = tmp_path / 'ref.txt'
+    ref.write_text(''.join(reverse(line) + '\n' for line in toy['lines']))
+    r = bench.main(['--translate', toy['ckpt'], '--input', toy['src'], '--ref', str(ref), '--rounds', '2',
+                    '--device', 'cpu', '--json'])
+    n = len(toy['lines'])
+    impls = ['model.py', 'model.py --early-stop']
+    impls += ['CTranslate2 float32', 'CTranslate2 int8'] if importlib.util.find_spec('ctranslate2') else []
+    assert [(x['search'], x['impl']) for x in r['rows']] == (
+        [('beam 4', i) for i in impls] + [('greedy', i) for i in impls if i != 'model.py --early-stop'])
+    assert r['sentences'] == n and all(len(x['sents_per_s']) == 2 and min(x['sents_per_s']) > 0 for x in r['rows'])
+    own = {x['search']: x for x in r['rows'] if x['impl'] == 'model.py'}
+    assert all(x['same_as_model_py'] == n and x['vs_model_py'] == 1 and x['dtype'] == 'float32' for x in own.values())
+    assert own['beam 4']['bleu'] > 90  # the toy reverses word order: its BLEU against the reversal is high
+    if 'CTranslate2 float32' in impls:  # the float32 export's greedy output is model.py's (test_export)
+        assert next(x for x in r['rows'] if x['impl'] == 'CTranslate2 float32' and x['search'] == 'greedy')[
+            'same_as_model_py'] == n
+
+
+def test_translate_of_a_missing_checkpoint_is_a_one_line_error(tmp_path):
+    src = tmp_path / 'src.txt'
+    src.write_text('alpha beta\n')
+    with pytest.raises(SystemExit) as e:
+        bench.main(['--translate', str(tmp_path / 'nope.pt'), '--input', str(src), '--rounds', '1'])
+    assert 'nope.pt' in str(e.value) and 'Traceback' not in str(e.value) and '\n' not in str(e.value)

@@ -25,9 +25,10 @@ def toys(tmp_path_factory):
     torch.set_num_threads(1)
     out = {}
     for pre_norm in (True, False):
-        model, d, enc, cfg = train_reversal(steps=200, pre_norm=pre_norm)
+        # train_reversal's 250 steps: at 200 the post-norm toy learnt too little on some CPUs for the checks below.
+        model, d, enc, cfg = train_reversal(pre_norm=pre_norm)
         folder = tmp_path_factory.mktemp('pre' if pre_norm else 'post')
-        torch.save({'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 200},
+        torch.save({'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 250},
                    folder / 'ckpt.pt')
         E.main(['--ckpt', str(folder / 'ckpt.pt'), '--out', str(folder / 'ct2')])
         out[pre_norm] = dict(folder=folder, model=model, enc=enc, d=d, ct2=str(folder / 'ct2'))

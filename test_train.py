@@ -378,6 +378,12 @@ def test_validation_pairs_over_max_tokens_are_named_and_none_left_is_an_error(tm
     # A max_len that the training pairs fit: the message names the validation set, not data_prep's training filter.
     res = train(['--max_steps=1', f'--max_len={int(t.max())}'], tmp_path / 'c', data, ok=False)
     assert 'validation sentence of' in res.stderr and 'data_prep.py --max-len' not in res.stderr
+    # Pairs over max_tokens are left out of every batch, so a max_len they exceed is no error ...
+    m = int(sorted(v)[len(v) // 2])
+    train(['--max_steps=1', f'--max_len={m}', f'--max_tokens={m}'], tmp_path / 'd', data)
+    # ... and a fine-tune, whose max_len is the checkpoint's, is not told to raise it.
+    res = train(['--max_steps=1', f'--init_from={tmp_path / "d" / "ckpt.pt"}'], tmp_path / 'e', data, ok=False)
+    assert 'validation sentence of' in res.stderr and 'raise max_len' not in res.stderr and 'ckpt.pt' in res.stderr
 
 
 def test_resume_with_another_architecture_or_optimizer_setting_is_refused(data_dir, tmp_path):

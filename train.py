@@ -305,12 +305,15 @@ else:
     model_cfg = M.Config(**{f.name: config[f.name] for f in fields(M.Config) if f.name in config},
                          vocab_size=(meta['vocab_size'] + 7) // 8 * 8, pad_id=PAD, bos_id=BOS, eos_id=EOS)
 # Positions past max_len have no encoding: a longer sentence would stop the run at the first batch holding it.
+# Only pairs that some batch holds count: those over max_tokens are left out (reported above).
 for split, data, remedy in (('training', train_data, 'leave long training pairs out (data_prep.py --max-len)'),
                             ('validation', valid_data, 'shorten the validation set')):
-    longest = max(int(np.diff(data[i]).max(initial=0)) for i in (1, 3)) + 1  # + EOS or BOS
+    sizes = data_prep.pair_sizes(data)  # the longer side + EOS (or BOS): the positions a pair needs
+    longest = int(sizes[sizes <= max_tokens].max(initial=0))
     if longest > model_cfg.max_len:
+        source = 'raise max_len, or ' if state is None else f"max_len is {init_path}'s: "
         sys.exit(f"{data_dir} has a {split} sentence of {longest} tokens (with EOS or BOS) but the model's max_len "
-                 f"is {model_cfg.max_len}: raise max_len, or {remedy}")
+                 f"is {model_cfg.max_len}: {source}{remedy}")
 raw_model = M.Transformer(model_cfg).to(device)
 # Fused Adam (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync.
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -282,10 +283,16 @@ def ct2_runs(model, src, beam, out_len, device):
 def bench_translate(args):
     """Sentences/s, BLEU and output agreement of translate.py on real text, as the README's decoding table:
     model.py (its exact stopping rule, and --early-stop, CTranslate2's) and the same weights exported to
-    CTranslate2 float32 and int8 (float16 and int8_float16 on a GPU), beam and greedy. Each row is a fresh
-    process, as a user runs it, so each pays its own start-up (oneDNN kernels, CTranslate2's loading);
-    rows alternate within each round, so a machine that slows down or speeds up does so for all of them."""
+    CTranslate2 float32 and int8 (float16 and int8_float16 on a GPU), beam and greedy (--beam 1: greedy only).
+    Each row is a fresh process, as a user runs it, so each pays its own first pass (oneDNN creates kernels
+    for each new shape; translate.py's clock starts once the model is loaded); rows alternate within each
+    round, so a machine that slows down or speeds up does so for all of them."""
     load, here = os.getloadavg()[0], os.path.dirname(os.path.abspath(__file__))
+    if os.path.isdir(args.translate):
+        sys.exit(f"bench.py: --translate {args.translate} is a folder: give a checkpoint file (ckpt.pt, or one "
+                 f"that translate.py --save-average wrote)")
+    if os.path.isfile(args.input) and os.path.getsize(args.input) == 0:
+        sys.exit(f"bench.py: {args.input} is empty: nothing to translate")
     tmp = tempfile.TemporaryDirectory()
     own = [] if args.device.startswith('cuda') else ['--dtype', 'float32']  # else translate.py's bf16 on a GPU
     impls = [('model.py', args.translate, own, True)]
@@ -323,7 +330,7 @@ def bench_translate(args):
         r['median_sents_per_s'] = statistics.median(r['sents_per_s'])
         r['vs_model_py'] = r['median_sents_per_s'] / ref['median_sents_per_s']
         r['same_as_model_py'] = sum(a == b for a, b in zip(r['lines'], ref['lines']))
-    record = dict(device=torch.cuda.get_device_name() if args.device.startswith('cuda') else cpu_name(),
+    record = dict(device=torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else cpu_name(),
                   torch=torch.__version__, threads=torch.get_num_threads(), load_avg_before=load,
                   ckpt=args.translate, input=args.input, sentences=len(rows[0]['lines']), rounds=args.rounds,
                   rows=[{k: v for k, v in r.items() if k not in ('cmd', 'lines')} for r in rows])
@@ -349,6 +356,8 @@ def bench_translate(args):
 def run_checked(cmd):
     """-> the command's stderr; a failed command ends bench.py with its own last line of error."""
     res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode < 0:  # its last words would be about something else
+        sys.exit(f"bench.py: {' '.join(cmd[1:])} was killed by {signal.Signals(-res.returncode).name}")
     if res.returncode:
         sys.exit(f"bench.py: {' '.join(cmd[1:])} failed: {(res.stderr.strip() or 'no message').splitlines()[-1]}")
     return res.stderr
@@ -416,10 +425,18 @@ def parse_args(argv=None):
     g.add_argument('--lenpen', type=float, help="translate.py's (default: the checkpoint's own)")
     g.add_argument('--max-tokens', type=int, default=4096, help="translate.py's padded source tokens per batch")
     args = p.parse_args(argv)
-    if args.translate and not args.input:
-        p.error('--translate needs --input')
-    if args.rounds < 1:
-        p.error('--rounds must be at least 1')
+    given = lambda *names: [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != p.get_default(n)]
+    if args.translate:
+        if not args.input:
+            p.error('--translate needs --input')
+        others = given('config', 'batch_tokens', 'data', 'dtype', 'peak', 'profile', 'compile', 'warmup', 'steps',
+                       'decode_sents', 'decode_len')
+        if others:
+            p.error(f"{', '.join(others)}: for the training and synthetic decoding rows, which --translate does not run")
+    elif given('input', 'ref', 'rounds', 'lenpen', 'max_tokens'):
+        p.error(f"{', '.join(given('input', 'ref', 'rounds', 'lenpen', 'max_tokens'))}: only with --translate")
+    if args.rounds < 1 or args.beam < 1:
+        p.error('--rounds and --beam must be at least 1')
     return args
 
 
@@ -542,4 +559,7 @@ def report(r):
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit('bench.py: interrupted')

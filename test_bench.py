@@ -164,9 +164,21 @@ def test_translate_rows_decode_the_same_lines_with_model_py_and_its_exports(toy,
             'same_as_model_py'] == n
 
 
-def test_translate_of_a_missing_checkpoint_is_a_one_line_error(tmp_path):
+def test_translate_of_a_missing_checkpoint_a_folder_or_an_empty_input_is_a_one_line_error(tmp_path):
     src = tmp_path / 'src.txt'
     src.write_text('alpha beta\n')
     with pytest.raises(SystemExit) as e:
         bench.main(['--translate', str(tmp_path / 'nope.pt'), '--input', str(src), '--rounds', '1'])
     assert 'nope.pt' in str(e.value) and 'Traceback' not in str(e.value) and '\n' not in str(e.value)
+    with pytest.raises(SystemExit) as e:  # translate.py's advice for a folder names its own --average-last
+        bench.main(['--translate', str(tmp_path), '--input', str(src)])
+    assert 'is a folder' in str(e.value) and 'average-last' not in str(e.value)
+    empty = tmp_path / 'empty.txt'
+    empty.write_text('')
+    with pytest.raises(SystemExit) as e:
+        bench.main(['--translate', 'ckpt.pt', '--input', str(empty)])
+    assert 'is empty' in str(e.value) and '\n' not in str(e.value)
+    for mixed in (['--translate', 'ckpt.pt', '--input', str(src), '--dtype', 'float32'], ['--rounds', '2']):
+        with pytest.raises(SystemExit) as e:
+            bench.main(mixed)  # an option the run would ignore is an argparse error
+        assert e.value.code == 2

@@ -315,8 +315,8 @@ def bench_translate(args):
     rows = [dict(impl=impl, search=search, cmd=[path, *flags, *how], sents_per_s=[])
             for search, how in searches for impl, path, flags, greedy_too in impls if greedy_too or search != 'greedy']
     for _ in range(args.rounds):
-        for r in rows:
-            out = os.path.join(tmp.name, f'{rows.index(r)}.txt')
+        for i, r in enumerate(rows):
+            out = os.path.join(tmp.name, f'{i}.txt')
             err = run_checked([sys.executable, os.path.join(here, 'translate.py'), '--ckpt', *r['cmd'], *common,
                                '--output', out])
             r['sents_per_s'].append(float(re.search(r'([\d.]+) sentences/s', err)[1]))

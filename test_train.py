@@ -192,6 +192,10 @@ def test_fine_tune_starts_a_new_run_from_the_checkpoint_weights(data_dir, tmp_pa
     for k, v in src['model'].items():
         assert torch.equal(v, new['model'][k]), k
     assert all(s['step'].item() == 1 for s in new['optimizer']['state'].values())
+    # Resumed with the command that began it: its settings' d_model was the checkpoint's to decide then, and is now.
+    res = train(['--max_steps=2', '--lr=0.0', '--init_from=resume'], tmp_path / 'b', data_dir)
+    assert "keeps the checkpoint's architecture: d_model=48" in res.stdout
+    assert torch.load(tmp_path / 'b' / 'state_0000002.pt', weights_only=False)['config']['d_model'] == 48
     res = train(['--max_steps=1', f'--init_from={tmp_path / "missing.pt"}'], tmp_path / 'c', data_dir, ok=False)
     assert 'missing.pt not found' in res.stderr
 

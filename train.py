@@ -277,10 +277,12 @@ if state is not None and not data_prep.same_tokenizer(state['tokenizer'], tokeni
     sys.exit(f"{init_path} was trained with another tokenizer than {data_dir}/tokenizer.json: its token ids "
              f"would mean other words; train on data prepared with its tokenizer "
              f"(it came from {state.get('data_dir', 'an unknown data_dir')})")
+# A fine-tuned run, resumed or not, has its checkpoint's architecture whatever the settings say (said below).
+fine_tuned_from = None if state is None else state.get('fine_tuned_from') if init_from == 'resume' else init_path
 if init_from == 'resume':  # the saved architecture and optimizer state win: a different setting would be ignored
     # seed and max_tokens too: they make the batch plan that the saved position (next_batch) indexes.
-    fixed = [f.name for f in fields(M.Config) if f.name in config] + ['beta1', 'beta2', 'adam_eps', 'weight_decay',
-                                                                     'seed', 'max_tokens']
+    fixed = [f.name for f in fields(M.Config) if f.name in config and (not fine_tuned_from or 'dropout' in f.name)]
+    fixed += ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens']
     changed = [f"{k}={config[k]!r} (the run's: {state['config'][k]!r})" for k in fixed
                if k in state.get('config', {}) and config[k] != state['config'][k]]
     if changed:
@@ -293,11 +295,12 @@ if state is not None:
     model_cfg = M.Config(**state['model_cfg'])
     if init_from != 'resume':
         model_cfg.dropout, model_cfg.attn_dropout = dropout, attn_dropout
+    if fine_tuned_from:
         # Said, and the settings made to agree, so that the config saved with each checkpoint is the model's.
         arch = {k: v for k, v in asdict(model_cfg).items() if k in config and config[k] != v}
         if arch:
-            log(f"fine-tuning keeps the checkpoint's architecture: "
-                f"{', '.join(f'{k}={v!r} (settings: {config[k]!r})' for k, v in arch.items())}")
+            log(f"{'fine-tuning' if init_from != 'resume' else f'a run fine-tuned from {fine_tuned_from}'} keeps "
+                f"the checkpoint's architecture: {', '.join(f'{k}={v!r} (settings: {config[k]!r})' for k, v in arch.items())}")
             config.update(arch)
             globals().update(arch)
 else:
@@ -425,7 +428,7 @@ def save(path, full=False):
     """Weights only (what averaging and translate.py read), or with full=True the whole training state,
     every rank's random generators included; with full=True every rank must call it (it gathers)."""
     ckpt = {'model': raw_model.state_dict(), 'model_cfg': asdict(model_cfg), 'tokenizer': tokenizer,
-            'step': step, 'config': config, 'data_dir': data_dir}
+            'step': step, 'config': config, 'data_dir': data_dir, 'fine_tuned_from': fine_tuned_from}
     if full:
         rng = gather({'cpu': torch.get_rng_state(),
                       'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})

@@ -333,6 +333,10 @@ def test_averaging_refuses_to_overwrite_its_inputs_or_mix_runs(toy, tmp_path):
         T.main(['--ckpt', str(folder), '--average-last', '2', '--input', toy['src'],
                 '--save-average', str(folder / 'ckpt_0000002.pt')])
     assert 'would overwrite' in str(e.value)
+    with pytest.raises(SystemExit) as e:  # one new file for both outputs: the translations would replace the average
+        T.main(['--ckpt', str(folder), '--average-last', '2', '--input', toy['src'], '--output', str(tmp_path / 'x'),
+                '--save-average', str(tmp_path / 'x')])
+    assert '--save-average' in str(e.value) and 'is also --output' in str(e.value) and not (tmp_path / 'x').exists()
     with pytest.raises(SystemExit) as e:  # a missing --ckpt is not its folder
         T.main(['--ckpt', str(folder / 'nope.pt'), '--average-last', '2', '--input', toy['src']])
     assert 'nope.pt' in str(e.value) and 'not found' in str(e.value)
@@ -345,6 +349,26 @@ def test_averaging_refuses_to_overwrite_its_inputs_or_mix_runs(toy, tmp_path):
     with pytest.raises(SystemExit) as e:
         T.average_checkpoints([str(folder / 'ckpt_0000002.pt'), str(folder / 'ckpt_0000004.pt')])
     assert 'ckpt_0000004.pt' in str(e.value) and 'eos_id' in str(e.value)
+
+
+def test_output_to_dev_stdout_appends_to_a_redirected_file_and_writes_to_a_pipe(toy, tmp_path):
+    log = tmp_path / 'log.txt'
+    log.write_text('KEEP ME\n')
+    args = ['--ckpt', toy['ckpt'], '--input', toy['src'], '--greedy', '--output', '/dev/stdout']
+    with open(log, 'a') as f:  # `>> log.txt`: resolved, /dev/stdout is log.txt, which a rename would replace
+        subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), *args], stdout=f, env=ENV, check=True)
+    assert log.read_text().splitlines()[0] == 'KEEP ME' and len(log.read_text().splitlines()) == len(toy['lines']) + 1
+    res = run(args)  # a pipe: /proc/PID/fd/pipe:[N] is no path to make a temporary file beside
+    assert res.returncode == 0 and len(res.stdout.decode().splitlines()) == len(toy['lines']), res.stderr
+
+
+def test_written_files_are_as_readable_as_the_umask_allows(tmp_path):
+    old = os.umask(0o022)
+    try:
+        T.save_atomic({'step': 1}, str(tmp_path / 'ckpt.pt'))  # mkstemp's temporary file is 0600
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / 'ckpt.pt').st_mode & 0o777 == 0o644
 
 
 def test_non_finite_settings_and_unknown_devices_are_one_line_errors(toy, capsys):

@@ -45,6 +45,9 @@ def temporary(path):
     complete. Its name is unique: two runs writing one file never touch each other's, nor a user's NAME.tmp."""
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + '.', suffix='.tmp', dir=os.path.dirname(path) or '.')
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private (0600); the renamed file is read as any other
     return tmp
 
 
@@ -63,14 +66,26 @@ def save_atomic(obj, path):
         raise
 
 
-def output_path(flag, path, inputs):
-    """The file an output flag writes, checked before any work: a symlink's target (the link stays),
-    never a folder or one of the run's inputs, and in a folder where a temporary file can be made."""
+def is_stream(path):
+    # /dev/stdout, /dev/fd/N (a pipe, or a file the shell opened), /dev/null: appended to as they are, never
+    # replaced: resolved, /dev/stdout of `>> log` is log itself, which a rename would overwrite.
+    return os.path.abspath(path).startswith(('/dev/', '/proc/'))
+
+
+def output_path(flag, path, others):
+    """The file an output flag writes, checked before any work: a symlink's target (the link stays), never a
+    folder or another of the run's files (others: {flag: path}), and in a folder where a temporary file can
+    be made. A stream (is_stream) is returned as it is, for --output only."""
+    if is_stream(path):
+        if flag != '--output':
+            fail(f"{flag} {path}: a checkpoint is written to a file")
+        return path
     real = os.path.realpath(path)
     if os.path.isdir(real):
         fail(f"{flag} {path} is a folder")
-    if os.path.exists(real) and any(q and os.path.exists(q) and os.path.samefile(q, real) for q in inputs):
-        fail(f"{flag} {path} is one of this run's inputs, which it would overwrite")
+    for other, q in others.items():
+        if q and (os.path.realpath(q) == real or os.path.exists(real) and os.path.exists(q) and os.path.samefile(q, real)):
+            fail(f"{flag} {path} is also {other} {q}, which it would overwrite")
     if not os.path.exists(real) or os.path.isfile(real):  # a device or a pipe is written as it is
         try:
             os.remove(temporary(real))
@@ -579,11 +594,11 @@ def main(argv=None):
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
     # Before the model loads: an output that cannot be written fails at once.
-    inputs = [args.input, args.ref, args.ckpt if os.path.isfile(args.ckpt) else None]
+    inputs = {'--input': args.input, '--ref': args.ref, '--ckpt': args.ckpt if os.path.isfile(args.ckpt) else None}
     if args.output:
         args.output = output_path('--output', args.output, inputs)
     if args.save_average:
-        args.save_average = output_path('--save-average', args.save_average, inputs + [args.output])
+        args.save_average = output_path('--save-average', args.save_average, {**inputs, '--output': args.output})
     lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
     refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
     if refs is not None and lines is not None and len(refs) != len(lines):
@@ -617,8 +632,9 @@ def main(argv=None):
                 early_stop=args.early_stop)
     tmp = None
     if args.output:  # a temporary name until complete: a stopped run leaves no finished-looking file
-        tmp = temporary(args.output) if os.path.isfile(args.output) or not os.path.exists(args.output) else None
-        out = open(tmp or args.output, 'w', encoding='utf-8', newline='\n')
+        tmp = None if is_stream(args.output) or os.path.exists(args.output) and not os.path.isfile(args.output) \
+            else temporary(args.output)
+        out = open(tmp or args.output, 'w' if tmp else 'a', encoding='utf-8', newline='\n')
     else:
         sys.stdout.reconfigure(encoding='utf-8', newline='\n')
         out = sys.stdout

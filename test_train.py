@@ -144,9 +144,11 @@ def test_fresh_run_into_a_used_out_dir_is_refused_unless_overwrite(data_dir, tmp
     res = train(['--max_steps=2'], tmp_path, data_dir, ok=False)
     assert str(tmp_path) in res.stderr and '--init_from=resume' in res.stderr and '--overwrite=True' in res.stderr
     assert len(records(tmp_path, 'loss')) == 2
+    (tmp_path / 'state_0000003.pt.k1l2_ed.tmp').write_bytes(b'half a save')  # a run killed while saving
     train(['--max_steps=3', '--overwrite=True', '--save_interval=0'], tmp_path, data_dir)
     assert [r['step'] for r in records(tmp_path, 'loss')] == [1, 2, 3]
     assert translate.checkpoints(str(tmp_path)) == [str(tmp_path / 'ckpt_0000003.pt')]
+    assert not list(tmp_path.glob('*.tmp'))
 
 
 def test_overwrite_deletes_the_old_run_only_once_every_input_has_loaded(data_dir, tmp_path):

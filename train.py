@@ -214,7 +214,9 @@ try:
     os.remove(probe)
 except OSError as e:
     sys.exit(f"out_dir {out_dir} cannot be created or written: {e.strerror}")
-run_files = sorted(f for f in os.listdir(out_dir) if f == 'log.jsonl' or re.fullmatch(r'(ckpt|state)(_\w+)?\.pt', f))
+# With the temporary files of a save that a killed run left (translate.save_atomic): --overwrite deletes them too.
+run_files = sorted(f for f in os.listdir(out_dir)
+                   if f == 'log.jsonl' or re.fullmatch(r'(ckpt|state)(_\w+)?\.pt(\.\w+\.tmp)?', f))
 if init_from != 'resume' and run_files:
     if not overwrite:
         sys.exit(f"out_dir {out_dir} already holds a run ({', '.join(run_files[:4])}{', ...' if len(run_files) > 4 else ''}):"

@@ -362,6 +362,21 @@ def test_output_to_dev_stdout_appends_to_a_redirected_file_and_writes_to_a_pipe(
     assert res.returncode == 0 and len(res.stdout.decode().splitlines()) == len(toy['lines']), res.stderr
 
 
+def test_a_file_under_dev_is_replaced_not_appended_to(toy):
+    if not os.path.isdir('/dev/shm'):
+        pytest.skip('no /dev/shm')
+    assert T.is_stream('/dev/stdout') and T.is_stream('/dev/fd/1') and T.is_stream('/dev/null')
+    out = f'/dev/shm/test_translate_{os.getpid()}.txt'
+    try:
+        with open(out, 'w') as f:
+            f.write('old\n')
+        assert not T.is_stream(out)
+        T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--greedy', '--output', out])
+        assert 'old' not in open(out).read().splitlines() and len(open(out).read().splitlines()) == len(toy['lines'])
+    finally:
+        os.remove(out)
+
+
 def test_written_files_are_as_readable_as_the_umask_allows(tmp_path):
     old = os.umask(0o022)
     try:

@@ -67,9 +67,12 @@ def save_atomic(obj, path):
 
 
 def is_stream(path):
-    # /dev/stdout, /dev/fd/N (a pipe, or a file the shell opened), /dev/null: appended to as they are, never
-    # replaced: resolved, /dev/stdout of `>> log` is log itself, which a rename would overwrite.
-    return os.path.abspath(path).startswith(('/dev/', '/proc/'))
+    # /dev/stdout, /dev/fd/N (a pipe, or a file the shell opened), a device, a FIFO: appended to as they are, never
+    # replaced: resolved, /dev/stdout of `>> log` is log itself, which a rename would overwrite. A file that
+    # happens to live under /dev (/dev/shm) is a file.
+    p = os.path.abspath(path)
+    return (p in ('/dev/stdout', '/dev/stderr') or p.startswith(('/dev/fd/', '/proc/'))
+            or os.path.exists(p) and not os.path.isfile(p) and not os.path.isdir(p))
 
 
 def output_path(flag, path, others):

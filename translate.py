@@ -89,11 +89,10 @@ def output_path(flag, path, others):
     for other, q in others.items():
         if q and (os.path.realpath(q) == real or os.path.exists(real) and os.path.exists(q) and os.path.samefile(q, real)):
             fail(f"{flag} {path} is also {other} {q}, which it would overwrite")
-    if not os.path.exists(real) or os.path.isfile(real):  # a device or a pipe is written as it is
-        try:
-            os.remove(temporary(real))
-        except OSError as e:
-            fail(f"{flag} {path}: {e.strerror}")
+    try:  # what is left is a file, or none yet: a temporary one must be possible beside it
+        os.remove(temporary(real))
+    except OSError as e:
+        fail(f"{flag} {path}: {e.strerror}")
     return real
 
 
@@ -635,8 +634,7 @@ def main(argv=None):
                 early_stop=args.early_stop)
     tmp = None
     if args.output:  # a temporary name until complete: a stopped run leaves no finished-looking file
-        tmp = None if is_stream(args.output) or os.path.exists(args.output) and not os.path.isfile(args.output) \
-            else temporary(args.output)
+        tmp = None if is_stream(args.output) else temporary(args.output)
         out = open(tmp or args.output, 'w' if tmp else 'a', encoding='utf-8', newline='\n')
     else:
         sys.stdout.reconfigure(encoding='utf-8', newline='\n')

@@ -143,11 +143,15 @@ def export(model, tokenizer, out, quantization='none', force=False, info=None):
         try:
             os.rename(tmp, out)  # fails if out is a folder with files: written since check_out
         except OSError:
-            if os.path.lexists(out):
-                T.fail(f"{out} already exists: another export wrote it meanwhile; use --force to replace it")
+            if os.path.lexists(out):  # the export moved aside (if any) is older than the one now in place
+                shutil.rmtree(old, ignore_errors=True)
+                T.fail(f"{out} already exists: another export wrote it meanwhile"
+                       f"{'' if force else '; use --force to replace it'}")
             raise
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.lexists(old) and not os.path.lexists(out):  # put the old export back where it was
+            os.rename(old, out)
         if isinstance(e, OSError):
             T.fail(f"cannot write {out}: {e.strerror or e}")
         raise

@@ -184,3 +184,17 @@ def test_force_replaces_only_an_export_and_two_exports_never_both_win(toys, tmp_
         E.main(['--ckpt', ckpt, '--out', str(tmp_path / 'new')])
     assert 'already exists' in str(e.value) and T.load_ct2(str(tmp_path / 'new'))[0].compute_type.startswith('int8')
     assert sorted(os.listdir(tmp_path)) == ['ct2', 'link', 'new']
+    # With --force, an export that lands after this one moved the old aside wins, and nothing is left over.
+    rename = os.rename
+
+    def landing(a, b):
+        rename(a, b)
+        if b.endswith(f'.old-{os.getpid()}'):
+            monkeypatch.setattr(os, 'rename', rename)
+            subprocess.run([sys.executable, 'export_ct2.py', '--ckpt', ckpt, '--out', str(out), '--force'], cwd=HERE,
+                           env=ENV, check=True, capture_output=True)
+    monkeypatch.setattr(os, 'rename', landing)
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', ckpt, '--out', str(out), '--force', '--quantization', 'int8'])
+    assert 'another export wrote it meanwhile' in str(e.value) and 'use --force' not in str(e.value)
+    assert T.load_ct2(str(out))[0].compute_type == 'float32' and sorted(os.listdir(tmp_path)) == ['ct2', 'link', 'new']

@@ -326,7 +326,8 @@ optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 if init_from != 'resume' and run_files:
     # --overwrite: the old run goes only now that every input has loaded and the model is built (a typo in
-    # data_dir, a max_len too short, or fine-tuning from this out_dir's own ckpt.pt must not cost it), and only after every rank has listed it.
+    # data_dir, a max_len too short, or fine-tuning from this out_dir's own ckpt.pt must not cost it), and
+    # only after every rank has listed it.
     if ddp:
         dist.barrier()
     if master:

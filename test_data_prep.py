@@ -534,6 +534,37 @@ def test_killed_run_leaves_nothing_that_looks_finished_and_rerun_completes(tmp_p
     assert meta['raw_pairs'] == {'train': 120, 'valid': 20, 'test': 20}
 
 
+def test_two_runs_into_one_out_never_mix(tmp_path, monkeypatch):
+    write_custom(tmp_path, {'train': toy_pairs(120, 22), 'valid': toy_pairs(20, 23), 'test': toy_pairs(20, 24)})
+    real, paused, resume, errors = data_prep.encode_lines, threading.Event(), threading.Event(), []
+
+    def slow(*args):  # the first run stops half-way through writing train
+        if threading.current_thread().name == 'first':
+            paused.set()
+            resume.wait()
+        return real(*args)
+
+    def run(*extra):
+        try:
+            data_prep.main(custom_args(tmp_path, tmp_path / 'out', *extra))
+        except BaseException as e:
+            errors.append(e)
+    monkeypatch.setattr(data_prep, 'encode_lines', slow)
+    first = threading.Thread(target=run, name='first')
+    first.start()
+    paused.wait()
+    second = threading.Thread(target=run, args=('--vocab-size', '350'))
+    second.start()
+    second.join(timeout=2)  # it must not delete or rename the first run's files meanwhile
+    resume.set()
+    first.join()
+    second.join()
+    meta = data_prep.load_meta(str(tmp_path / 'out'))
+    assert errors == [] and meta['settings']['vocab_size'] == 350
+    assert meta['vocab_size'] == data_prep.load_tokenizer(str(tmp_path / 'out')).n_vocab
+    assert len(read_split(tmp_path / 'out', 'train', 'xx')) == meta['splits']['train']['pairs']
+
+
 def test_import_has_no_side_effects(tmp_path):
     r = subprocess.run([sys.executable, '-c', f'import sys; sys.path.insert(0, {HERE!r}); import data_prep'],
                        capture_output=True, text=True, cwd=tmp_path)

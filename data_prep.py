@@ -209,7 +209,9 @@ def fetch(url, mirror, download_dir):
         return path
     if mirror:
         url = mirror.rstrip('/') + '/' + name
-    return download(url, os.path.join(download_dir, name))
+    os.makedirs(download_dir, exist_ok=True)
+    with locked(download_dir, 'downloading into'):  # two runs would append to one .part (en-de and en-fr share files)
+        return download(url, os.path.join(download_dir, name))
 
 # -----------------------------------------------------------------------------------------------
 # reading

@@ -27,7 +27,8 @@ MULTI30K = os.path.join(HERE, '..', 'shared', 'data', 'multi30k')
 class Handler(BaseHTTPRequestHandler):
     """Serves server.files[path] with the ETag server.etags[path], if any; honours 'Range: bytes=N-' (unless
     server.no_range) and If-Range; server.cut[path] = K sends only K bytes of the next response to path and drops
-    the connection (server.always_cut: every response)."""
+    the connection (server.always_cut: every response); server.pause[path] = Event sends half of the next response
+    to path, then waits for the event before the rest (a transfer in progress)."""
 
     def do_GET(self):
         srv, path, rng = self.server, self.path.lstrip('/'), self.headers.get('Range')
@@ -52,6 +53,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header('ETag', etag)
         self.send_header('Content-Length', str(len(body)))
         self.end_headers()
+        if path in srv.pause:
+            self.wfile.write(body[:len(body) // 2])
+            self.wfile.flush()
+            srv.pause.pop(path).wait()
+            body = body[len(body) // 2:]
         cut = srv.cut.pop(path, srv.always_cut)
         self.wfile.write(body if cut is None else body[:cut])  # then HTTP/1.0 closes the connection
 
@@ -65,7 +71,7 @@ def server(monkeypatch):
     monkeypatch.setenv('no_proxy', '127.0.0.1')
     monkeypatch.setattr(data_prep, 'RETRY_WAIT', 0.0)
     srv = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-    srv.files, srv.etags, srv.cut, srv.always_cut, srv.no_range, srv.log = {}, {}, {}, None, False, []
+    srv.files, srv.etags, srv.cut, srv.pause, srv.always_cut, srv.no_range, srv.log = {}, {}, {}, {}, None, False, []
     srv.url = f'http://127.0.0.1:{srv.server_port}/'
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
@@ -249,6 +255,28 @@ def test_download_size_differing_from_the_table_is_a_clear_error(server, tmp_pat
         data_prep.download(server.url + 'blob.bin', str(tmp_path / 'blob.bin'))
     assert '10000 bytes' in str(e.value) and '12345' in str(e.value)
     assert not (tmp_path / 'blob.bin').exists()
+
+
+def test_a_file_another_run_is_downloading_is_waited_for_not_fetched_again(server, tmp_path):
+    data, resume, paths, errors = os.urandom(3_000_000), threading.Event(), [], []
+    server.files['blob.tgz'], server.pause['blob.tgz'] = data, resume
+
+    def run():
+        try:
+            paths.append(data_prep.fetch(server.url + 'blob.tgz', None, str(tmp_path)))
+        except BaseException as e:
+            errors.append(e)
+    first, second = threading.Thread(target=run), threading.Thread(target=run)
+    first.start()
+    while not (tmp_path / 'blob.tgz.part').exists() or not (tmp_path / 'blob.tgz.part').stat().st_size:
+        first.join(timeout=0.01)  # until the first run has bytes in its .part
+    second.start()
+    second.join(timeout=1)  # a second run into the same download folder, e.g. en-de and en-fr at once
+    resume.set()
+    first.join()
+    second.join()
+    assert errors == [] and server.log == [('blob.tgz', None)]  # one transfer, not a second appended to it
+    assert paths == [str(tmp_path / 'blob.tgz')] * 2 and (tmp_path / 'blob.tgz').read_bytes() == data
 
 
 def test_download_missing_file_is_a_clear_error(server, tmp_path):

@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import tarfile
+import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -209,9 +210,20 @@ def fetch(url, mirror, download_dir):
         return path
     if mirror:
         url = mirror.rstrip('/') + '/' + name
-    os.makedirs(download_dir, exist_ok=True)
+    path = os.path.join(download_dir, name)
+    if not os.path.exists(path):  # a folder of finished downloads may be read-only
+        make_writable(download_dir, '--download-dir')  # not 6 failed attempts to open the .part
     with locked(download_dir, 'downloading into'):  # two runs would append to one .part (en-de and en-fr share files)
-        return download(url, os.path.join(download_dir, name))
+        return download(url, path)
+
+
+def make_writable(folder, option):
+    """Create folder if need be and check that it takes files: else a one-line error naming the option."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()  # a name of its own: two runs may check one folder at once
+    except OSError as e:
+        sys.exit(f'error: {option} {folder} cannot be created or written: {e.strerror}')
 
 # -----------------------------------------------------------------------------------------------
 # reading
@@ -573,12 +585,7 @@ def prepare(args):
     args.workers = max(1, args.workers)
     name = f'{args.corpus}_{args.src}_{args.tgt}'
     out = args.out or os.path.join('data', name)
-    try:  # before any download or BPE: an --out that is a file or cannot be written fails at once
-        os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, '.write_test'), 'w').close()
-        os.remove(os.path.join(out, '.write_test'))
-    except OSError as e:
-        sys.exit(f'error: --out {out} cannot be created or written: {e.strerror}')
+    make_writable(out, '--out')  # before any download or BPE: an --out that is a file fails at once
     files = source_files(args, key)
     settings = {'corpus': args.corpus, 'src': args.src, 'tgt': args.tgt, 'vocab_size': vocab_size,
                 'max_len': args.max_len, 'max_ratio': args.max_ratio,

@@ -279,6 +279,15 @@ def test_a_file_another_run_is_downloading_is_waited_for_not_fetched_again(serve
     assert paths == [str(tmp_path / 'blob.tgz')] * 2 and (tmp_path / 'blob.tgz').read_bytes() == data
 
 
+def test_download_dir_that_is_a_file_is_a_clear_error_before_any_request(server, tmp_path):
+    (tmp_path / 'taken').write_text('a file, not a folder\n')
+    with pytest.raises(SystemExit) as e:
+        data_prep.main(['multi30k', '--src', 'en', '--tgt', 'de', '--mirror', server.url, '--out', str(tmp_path / 'o'),
+                        '--download-dir', str(tmp_path / 'taken')])
+    assert str(e.value).startswith(f"error: --download-dir {tmp_path / 'taken'} cannot be created or written")
+    assert server.log == []
+
+
 def test_download_missing_file_is_a_clear_error(server, tmp_path):
     with pytest.raises(SystemExit) as e:
         data_prep.download(server.url + 'nope.tgz', str(tmp_path / 'nope.tgz'))

@@ -678,6 +678,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.src == args.tgt:  # the two sides would be written into one file
         p.error(f'--src and --tgt are both {args.src!r}')
+    if args.corpus != 'custom' and (args.train or args.valid or args.test):  # not quietly the named corpus instead
+        p.error(f'--train, --valid and --test are for custom, not {args.corpus}')
     return prepare(args)
 
 

@@ -350,6 +350,14 @@ def test_same_language_on_both_sides_is_refused(tmp_path, capsys):
     assert "--src and --tgt are both 'xx'" in capsys.readouterr().err and not (tmp_path / 'out').exists()
 
 
+def test_custom_prefixes_with_a_named_corpus_are_refused_not_ignored(tmp_path, capsys):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    with pytest.raises(SystemExit):  # would prepare Multi30k, and say so only in its counts
+        data_prep.main(['multi30k', '--src', 'xx', '--tgt', 'yy', '--train', str(tmp_path / 'train'),
+                        '--mirror', str(tmp_path / 'nowhere'), '--out', str(tmp_path / 'out')])
+    assert '--train, --valid and --test are for custom' in capsys.readouterr().err
+
+
 def test_out_that_is_a_file_is_a_clear_error_before_any_work(tmp_path):
     (tmp_path / 'taken').write_text('a file, not a folder\n')
     with pytest.raises(SystemExit) as e:

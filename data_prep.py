@@ -660,7 +660,8 @@ def main(argv=None):
     p.add_argument('corpus', choices=['multi30k', 'wmt14', 'custom'])
     p.add_argument('--src', required=True, help='source language code, e.g. en')
     p.add_argument('--tgt', required=True, help='target language code, e.g. de')
-    p.add_argument('--train', nargs='+', metavar='PREFIX', help='custom: PREFIX.src / PREFIX.tgt (or .gz), 1 or more')
+    p.add_argument('--train', nargs='+', action='extend', metavar='PREFIX',  # --train a --train b: both
+                   help='custom: PREFIX.src / PREFIX.tgt (or .gz), 1 or more')
     p.add_argument('--valid', metavar='PREFIX', help='custom: validation files prefix')
     p.add_argument('--test', metavar='PREFIX', help='custom: test files prefix')
     p.add_argument('--mirror', metavar='DIR_OR_URL', help='read the same file names from this folder or base URL')

@@ -350,6 +350,13 @@ def test_same_language_on_both_sides_is_refused(tmp_path, capsys):
     assert "--src and --tgt are both 'xx'" in capsys.readouterr().err and not (tmp_path / 'out').exists()
 
 
+def test_train_given_twice_reads_both_prefixes(tmp_path):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'more': toy_pairs(30, 12), 'valid': toy_pairs(5, 10),
+                            'test': toy_pairs(5, 11)})
+    meta = data_prep.main(custom_args(tmp_path, tmp_path / 'out', '--train', str(tmp_path / 'more')))
+    assert meta['raw_pairs']['train'] == 80  # as '--train train more', not the last one only
+
+
 def test_custom_prefixes_with_a_named_corpus_are_refused_not_ignored(tmp_path, capsys):
     write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
     with pytest.raises(SystemExit):  # would prepare Multi30k, and say so only in its counts

@@ -610,7 +610,8 @@ def prepare(args):
         if os.path.exists(meta_path):
             os.remove(meta_path)  # meta.json marks a finished directory: from here on this one is not
         for f in os.listdir(out):
-            if f.endswith('.tmp'):  # leftovers of a killed run
+            # leftovers of a killed run, by the names write_split and write_json give: not others' .tmp files
+            if re.fullmatch(r'(train|valid|test)\..+\.(bin|idx|txt)\.tmp|(tokenizer|meta)\.json\.tmp', f):
                 os.remove(os.path.join(out, f))
         os.environ.setdefault('RAYON_NUM_THREADS', str(args.workers))  # rustbpe's thread pool
 

@@ -617,6 +617,15 @@ def test_two_runs_into_one_out_never_mix(tmp_path, monkeypatch):
     assert len(read_split(tmp_path / 'out', 'train', 'xx')) == meta['splits']['train']['pairs']
 
 
+def test_only_our_own_leftovers_are_removed_from_out(tmp_path):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    (tmp_path / 'out').mkdir()
+    for name in ('train.zz.bin.tmp', 'meta.json.tmp', 'hyp.de.a1b2c3d4.tmp'):  # killed runs', and translate.py's
+        (tmp_path / 'out' / name).write_text('x')
+    data_prep.main(custom_args(tmp_path, tmp_path / 'out'))
+    assert [name for name in os.listdir(tmp_path / 'out') if name.endswith('.tmp')] == ['hyp.de.a1b2c3d4.tmp']
+
+
 def test_import_has_no_side_effects(tmp_path):
     r = subprocess.run([sys.executable, '-c', f'import sys; sys.path.insert(0, {HERE!r}); import data_prep'],
                        capture_output=True, text=True, cwd=tmp_path)

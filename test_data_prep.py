@@ -268,7 +268,8 @@ def test_a_file_another_run_is_downloading_is_waited_for_not_fetched_again(serve
             errors.append(e)
     first, second = threading.Thread(target=run), threading.Thread(target=run)
     first.start()
-    while not (tmp_path / 'blob.tgz.part').exists() or not (tmp_path / 'blob.tgz.part').stat().st_size:
+    part = tmp_path / 'blob.tgz.part'
+    while first.is_alive() and not (part.exists() and part.stat().st_size):
         first.join(timeout=0.01)  # until the first run has bytes in its .part
     second.start()
     second.join(timeout=1)  # a second run into the same download folder, e.g. en-de and en-fr at once
@@ -604,7 +605,7 @@ def test_two_runs_into_one_out_never_mix(tmp_path, monkeypatch):
     monkeypatch.setattr(data_prep, 'encode_lines', slow)
     first = threading.Thread(target=run, name='first')
     first.start()
-    paused.wait()
+    assert paused.wait(timeout=60), errors
     second = threading.Thread(target=run, args=('--vocab-size', '350'))
     second.start()
     second.join(timeout=2)  # it must not delete or rename the first run's files meanwhile

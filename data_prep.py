@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import tarfile
+import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -209,7 +210,20 @@ def fetch(url, mirror, download_dir):
         return path
     if mirror:
         url = mirror.rstrip('/') + '/' + name
-    return download(url, os.path.join(download_dir, name))
+    path = os.path.join(download_dir, name)
+    if not os.path.exists(path):  # a folder of finished downloads may be read-only
+        make_writable(download_dir, '--download-dir')  # not 6 failed attempts to open the .part
+    with locked(download_dir, 'downloading into'):  # two runs would append to one .part (en-de and en-fr share files)
+        return download(url, path)
+
+
+def make_writable(folder, option):
+    """Create folder if need be and check that it takes files: else a one-line error naming the option."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()  # a name of its own: two runs may check one folder at once
+    except OSError as e:
+        sys.exit(f'error: {option} {folder} cannot be created or written: {e.strerror}')
 
 # -----------------------------------------------------------------------------------------------
 # reading
@@ -503,6 +517,27 @@ def write_split(out, split, pairs, enc, langs, workers, max_len=0, max_ratio=0, 
     return stats
 
 
+@contextlib.contextmanager
+def locked(folder, doing):
+    """Keep other data_prep.py runs out of folder until the block ends: a second run into the same folder
+    would delete this one's temporary files and rename its own half-written ones into place. It waits here
+    instead. flock, because the kernel releases it when a process is killed, so no stale lock is left."""
+    if os.name != 'posix':  # no flock (Windows): runs are not kept apart
+        yield
+        return
+    import fcntl
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f'another data_prep.py is {doing} {folder}: waiting for it to finish', flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def write_json(path, obj):
     with open(path + '.tmp', 'w', encoding='utf-8') as f:
         json.dump(obj, f, ensure_ascii=False, indent=1)
@@ -550,12 +585,7 @@ def prepare(args):
     args.workers = max(1, args.workers)
     name = f'{args.corpus}_{args.src}_{args.tgt}'
     out = args.out or os.path.join('data', name)
-    try:  # before any download or BPE: an --out that is a file or cannot be written fails at once
-        os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, '.write_test'), 'w').close()
-        os.remove(os.path.join(out, '.write_test'))
-    except OSError as e:
-        sys.exit(f'error: --out {out} cannot be created or written: {e.strerror}')
+    make_writable(out, '--out')  # before any download or BPE: an --out that is a file fails at once
     files = source_files(args, key)
     settings = {'corpus': args.corpus, 'src': args.src, 'tgt': args.tgt, 'vocab_size': vocab_size,
                 'max_len': args.max_len, 'max_ratio': args.max_ratio,
@@ -564,63 +594,66 @@ def prepare(args):
                 'stamps': [list(x) for x in sorted({(p, os.stat(p).st_size, os.stat(p).st_mtime_ns)
                                                     for fs in files.values() for pair in fs for p, _ in pair})]}
     meta_path = os.path.join(out, 'meta.json')
-    if os.path.isfile(meta_path) and not args.force:
-        try:
-            meta = load_meta(out)
-        except (OSError, ValueError) as e:
-            print(f'{e}: preparing {out} again')
-            meta = {}
-        if meta.get('settings') == settings:
-            print(f'{out} is already prepared with these settings (--force to redo it)')
-            return meta
-    os.makedirs(out, exist_ok=True)
-    if os.path.isdir(meta_path):
-        sys.exit(f'error: {meta_path} is a folder; remove it to prepare {out} here')
-    if os.path.exists(meta_path):
-        os.remove(meta_path)  # meta.json marks a finished directory: from here on this one is not
-    for f in os.listdir(out):
-        if f.endswith('.tmp'):  # leftovers of a killed run
-            os.remove(os.path.join(out, f))
-    os.environ.setdefault('RAYON_NUM_THREADS', str(args.workers))  # rustbpe's thread pool
+    with locked(out, 'writing'):  # from the check of meta.json to writing it: one run at a time
+        if os.path.isfile(meta_path) and not args.force:
+            try:
+                meta = load_meta(out)
+            except (OSError, ValueError) as e:
+                print(f'{e}: preparing {out} again')
+                meta = {}
+            if meta.get('settings') == settings:
+                print(f'{out} is already prepared with these settings (--force to redo it)')
+                return meta
+        os.makedirs(out, exist_ok=True)
+        if os.path.isdir(meta_path):
+            sys.exit(f'error: {meta_path} is a folder; remove it to prepare {out} here')
+        if os.path.exists(meta_path):
+            os.remove(meta_path)  # meta.json marks a finished directory: from here on this one is not
+        for f in os.listdir(out):
+            # leftovers of a killed run, by the names write_split and write_json give: not others' .tmp files
+            if re.fullmatch(r'(train|valid|test)\..+\.(bin|idx|txt)\.tmp|(tokenizer|meta)\.json\.tmp', f):
+                os.remove(os.path.join(out, f))
+        os.environ.setdefault('RAYON_NUM_THREADS', str(args.workers))  # rustbpe's thread pool
 
-    t0 = time.time()
-    def texts():  # what BPE learns from, with a progress line per million pairs read
-        for i, pair in enumerate(read_pairs(files['train']), 1):
-            if i % 1_000_000 == 0:
-                print(f'BPE: {i:,} training pairs read, {time.time() - t0:.0f}s', flush=True)
-            yield from (text for text in map(str.strip, pair) if text)
-    tok = train_tokenizer(texts(), vocab_size, name)
-    write_json(os.path.join(out, 'tokenizer.json'), tok)
-    enc = load_tokenizer(tok)
-    bpe_seconds = time.time() - t0
-    print(f'BPE: {len(tok["ranks"])} tokens (+ {len(SPECIALS)} specials) learned in {bpe_seconds:.1f}s')
-    if len(tok['ranks']) < vocab_size:
-        print(f'warning: the training text holds no more merges: {len(tok["ranks"])} tokens of the {vocab_size} asked')
+        t0 = time.time()
+        def texts():  # what BPE learns from, with a progress line per million pairs read
+            for i, pair in enumerate(read_pairs(files['train']), 1):
+                if i % 1_000_000 == 0:
+                    print(f'BPE: {i:,} training pairs read, {time.time() - t0:.0f}s', flush=True)
+                yield from (text for text in map(str.strip, pair) if text)
+        tok = train_tokenizer(texts(), vocab_size, name)
+        write_json(os.path.join(out, 'tokenizer.json'), tok)
+        enc = load_tokenizer(tok)
+        bpe_seconds = time.time() - t0
+        print(f'BPE: {len(tok["ranks"])} tokens (+ {len(SPECIALS)} specials) learned in {bpe_seconds:.1f}s')
+        if len(tok['ranks']) < vocab_size:
+            print(f'warning: the training text holds no more merges: {len(tok["ranks"])} tokens of the {vocab_size} '
+                  'asked')
 
-    langs, splits, raw, dropped = (args.src, args.tgt), {}, {}, {}
-    for split in ('train', 'valid', 'test'):
-        clean = {'max_len': args.max_len, 'max_ratio': args.max_ratio} if split == 'train' else {}
-        st = write_split(out, split, read_pairs(files[split]), enc, langs, args.workers, **clean)
-        if st['pairs'] == 0:
-            names = ', '.join(f'{label(s)} / {label(t)}' for s, t in files[split])
-            why = f" ({st['raw']} read, all dropped: {st['dropped']})" if st['raw'] else ''
-            sys.exit(f'error: the {split} split has no sentence pairs{why}: {names}')
-        splits[split] = {'pairs': st['pairs'], 'src_tokens': st['tokens'][0], 'tgt_tokens': st['tokens'][1]}
-        raw[split] = st['raw']
-        if split == 'train':
-            dropped = st['dropped']
-            print(f'train: dropped {dropped["empty"]} empty pairs, {dropped["too_long"]} over {args.max_len} '
-                  f'tokens, {dropped["ratio"]} with a length ratio over {args.max_ratio}')
-    specials = tok['special_tokens']
-    meta = {'name': os.path.basename(os.path.normpath(out)), 'src': args.src, 'tgt': args.tgt,
-            'vocab_size': enc.n_vocab, 'pad_id': specials['<pad>'], 'bos_id': specials['<s>'],
-            'eos_id': specials['</s>'], 'dtype': 'uint16' if enc.n_vocab <= 2 ** 16 else 'uint32',
-            'splits': splits, 'raw_pairs': raw, 'dropped': dropped, 'max_len': args.max_len,
-            'max_ratio': args.max_ratio, 'bpe_seconds': round(bpe_seconds, 2),
-            'seconds': round(time.time() - t0, 2), 'settings': settings}
-    write_json(meta_path, meta)  # last: its presence says the directory is complete
-    print(f'wrote {out} in {time.time() - t0:.1f}s: vocab {enc.n_vocab}, {splits["train"]["pairs"]} training pairs')
-    return meta
+        langs, splits, raw, dropped = (args.src, args.tgt), {}, {}, {}
+        for split in ('train', 'valid', 'test'):
+            clean = {'max_len': args.max_len, 'max_ratio': args.max_ratio} if split == 'train' else {}
+            st = write_split(out, split, read_pairs(files[split]), enc, langs, args.workers, **clean)
+            if st['pairs'] == 0:
+                names = ', '.join(f'{label(s)} / {label(t)}' for s, t in files[split])
+                why = f" ({st['raw']} read, all dropped: {st['dropped']})" if st['raw'] else ''
+                sys.exit(f'error: the {split} split has no sentence pairs{why}: {names}')
+            splits[split] = {'pairs': st['pairs'], 'src_tokens': st['tokens'][0], 'tgt_tokens': st['tokens'][1]}
+            raw[split] = st['raw']
+            if split == 'train':
+                dropped = st['dropped']
+                print(f'train: dropped {dropped["empty"]} empty pairs, {dropped["too_long"]} over {args.max_len} '
+                      f'tokens, {dropped["ratio"]} with a length ratio over {args.max_ratio}')
+        specials = tok['special_tokens']
+        meta = {'name': os.path.basename(os.path.normpath(out)), 'src': args.src, 'tgt': args.tgt,
+                'vocab_size': enc.n_vocab, 'pad_id': specials['<pad>'], 'bos_id': specials['<s>'],
+                'eos_id': specials['</s>'], 'dtype': 'uint16' if enc.n_vocab <= 2 ** 16 else 'uint32',
+                'splits': splits, 'raw_pairs': raw, 'dropped': dropped, 'max_len': args.max_len,
+                'max_ratio': args.max_ratio, 'bpe_seconds': round(bpe_seconds, 2),
+                'seconds': round(time.time() - t0, 2), 'settings': settings}
+        write_json(meta_path, meta)  # last: its presence says the directory is complete
+        print(f'wrote {out} in {time.time() - t0:.1f}s: vocab {enc.n_vocab}, {splits["train"]["pairs"]} training pairs')
+        return meta
 
 
 def main(argv=None):
@@ -628,7 +661,8 @@ def main(argv=None):
     p.add_argument('corpus', choices=['multi30k', 'wmt14', 'custom'])
     p.add_argument('--src', required=True, help='source language code, e.g. en')
     p.add_argument('--tgt', required=True, help='target language code, e.g. de')
-    p.add_argument('--train', nargs='+', metavar='PREFIX', help='custom: PREFIX.src / PREFIX.tgt (or .gz), 1 or more')
+    p.add_argument('--train', nargs='+', action='extend', metavar='PREFIX',  # --train a --train b: both
+                   help='custom: PREFIX.src / PREFIX.tgt (or .gz), 1 or more')
     p.add_argument('--valid', metavar='PREFIX', help='custom: validation files prefix')
     p.add_argument('--test', metavar='PREFIX', help='custom: test files prefix')
     p.add_argument('--mirror', metavar='DIR_OR_URL', help='read the same file names from this folder or base URL')
@@ -646,6 +680,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.src == args.tgt:  # the two sides would be written into one file
         p.error(f'--src and --tgt are both {args.src!r}')
+    if args.corpus != 'custom' and (args.train or args.valid or args.test):  # not quietly the named corpus instead
+        p.error(f'--train, --valid and --test are for custom, not {args.corpus}')
     return prepare(args)
 
 

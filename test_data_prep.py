@@ -27,7 +27,8 @@ MULTI30K = os.path.join(HERE, '..', 'shared', 'data', 'multi30k')
 class Handler(BaseHTTPRequestHandler):
     """Serves server.files[path] with the ETag server.etags[path], if any; honours 'Range: bytes=N-' (unless
     server.no_range) and If-Range; server.cut[path] = K sends only K bytes of the next response to path and drops
-    the connection (server.always_cut: every response)."""
+    the connection (server.always_cut: every response); server.pause[path] = Event sends half of the next response
+    to path, then waits for the event before the rest (a transfer in progress)."""
 
     def do_GET(self):
         srv, path, rng = self.server, self.path.lstrip('/'), self.headers.get('Range')
@@ -52,6 +53,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header('ETag', etag)
         self.send_header('Content-Length', str(len(body)))
         self.end_headers()
+        if path in srv.pause:
+            self.wfile.write(body[:len(body) // 2])
+            self.wfile.flush()
+            srv.pause.pop(path).wait()
+            body = body[len(body) // 2:]
         cut = srv.cut.pop(path, srv.always_cut)
         self.wfile.write(body if cut is None else body[:cut])  # then HTTP/1.0 closes the connection
 
@@ -65,7 +71,7 @@ def server(monkeypatch):
     monkeypatch.setenv('no_proxy', '127.0.0.1')
     monkeypatch.setattr(data_prep, 'RETRY_WAIT', 0.0)
     srv = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-    srv.files, srv.etags, srv.cut, srv.always_cut, srv.no_range, srv.log = {}, {}, {}, None, False, []
+    srv.files, srv.etags, srv.cut, srv.pause, srv.always_cut, srv.no_range, srv.log = {}, {}, {}, {}, None, False, []
     srv.url = f'http://127.0.0.1:{srv.server_port}/'
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
@@ -251,6 +257,38 @@ def test_download_size_differing_from_the_table_is_a_clear_error(server, tmp_pat
     assert not (tmp_path / 'blob.bin').exists()
 
 
+def test_a_file_another_run_is_downloading_is_waited_for_not_fetched_again(server, tmp_path):
+    data, resume, paths, errors = os.urandom(3_000_000), threading.Event(), [], []
+    server.files['blob.tgz'], server.pause['blob.tgz'] = data, resume
+
+    def run():
+        try:
+            paths.append(data_prep.fetch(server.url + 'blob.tgz', None, str(tmp_path)))
+        except BaseException as e:
+            errors.append(e)
+    first, second = threading.Thread(target=run), threading.Thread(target=run)
+    first.start()
+    part = tmp_path / 'blob.tgz.part'
+    while first.is_alive() and not (part.exists() and part.stat().st_size):
+        first.join(timeout=0.01)  # until the first run has bytes in its .part
+    second.start()
+    second.join(timeout=1)  # a second run into the same download folder, e.g. en-de and en-fr at once
+    resume.set()
+    first.join()
+    second.join()
+    assert errors == [] and server.log == [('blob.tgz', None)]  # one transfer, not a second appended to it
+    assert paths == [str(tmp_path / 'blob.tgz')] * 2 and (tmp_path / 'blob.tgz').read_bytes() == data
+
+
+def test_download_dir_that_is_a_file_is_a_clear_error_before_any_request(server, tmp_path):
+    (tmp_path / 'taken').write_text('a file, not a folder\n')
+    with pytest.raises(SystemExit) as e:
+        data_prep.main(['multi30k', '--src', 'en', '--tgt', 'de', '--mirror', server.url, '--out', str(tmp_path / 'o'),
+                        '--download-dir', str(tmp_path / 'taken')])
+    assert str(e.value).startswith(f"error: --download-dir {tmp_path / 'taken'} cannot be created or written")
+    assert server.log == []
+
+
 def test_download_missing_file_is_a_clear_error(server, tmp_path):
     with pytest.raises(SystemExit) as e:
         data_prep.download(server.url + 'nope.tgz', str(tmp_path / 'nope.tgz'))
@@ -311,6 +349,21 @@ def test_same_language_on_both_sides_is_refused(tmp_path, capsys):
         data_prep.main(['custom', '--train', str(tmp_path / 'train'), '--src', 'xx', '--tgt', 'xx',
                         '--out', str(tmp_path / 'out')])
     assert "--src and --tgt are both 'xx'" in capsys.readouterr().err and not (tmp_path / 'out').exists()
+
+
+def test_train_given_twice_reads_both_prefixes(tmp_path):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'more': toy_pairs(30, 12), 'valid': toy_pairs(5, 10),
+                            'test': toy_pairs(5, 11)})
+    meta = data_prep.main(custom_args(tmp_path, tmp_path / 'out', '--train', str(tmp_path / 'more')))
+    assert meta['raw_pairs']['train'] == 80  # as '--train train more', not the last one only
+
+
+def test_custom_prefixes_with_a_named_corpus_are_refused_not_ignored(tmp_path, capsys):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    with pytest.raises(SystemExit):  # would prepare Multi30k, and say so only in its counts
+        data_prep.main(['multi30k', '--src', 'xx', '--tgt', 'yy', '--train', str(tmp_path / 'train'),
+                        '--mirror', str(tmp_path / 'nowhere'), '--out', str(tmp_path / 'out')])
+    assert '--train, --valid and --test are for custom' in capsys.readouterr().err
 
 
 def test_out_that_is_a_file_is_a_clear_error_before_any_work(tmp_path):
@@ -532,6 +585,46 @@ def test_killed_run_leaves_nothing_that_looks_finished_and_rerun_completes(tmp_p
         if name != 'meta.json':
             assert (root / 'out' / name).read_bytes() == (root / 'fresh' / name).read_bytes(), name
     assert meta['raw_pairs'] == {'train': 120, 'valid': 20, 'test': 20}
+
+
+def test_two_runs_into_one_out_never_mix(tmp_path, monkeypatch):
+    write_custom(tmp_path, {'train': toy_pairs(120, 22), 'valid': toy_pairs(20, 23), 'test': toy_pairs(20, 24)})
+    real, paused, resume, errors = data_prep.encode_lines, threading.Event(), threading.Event(), []
+
+    def slow(*args):  # the first run stops half-way through writing train
+        if threading.current_thread().name == 'first':
+            paused.set()
+            resume.wait()
+        return real(*args)
+
+    def run(*extra):
+        try:
+            data_prep.main(custom_args(tmp_path, tmp_path / 'out', *extra))
+        except BaseException as e:
+            errors.append(e)
+    monkeypatch.setattr(data_prep, 'encode_lines', slow)
+    first = threading.Thread(target=run, name='first')
+    first.start()
+    assert paused.wait(timeout=60), errors
+    second = threading.Thread(target=run, args=('--vocab-size', '350'))
+    second.start()
+    second.join(timeout=2)  # it must not delete or rename the first run's files meanwhile
+    resume.set()
+    first.join()
+    second.join()
+    meta = data_prep.load_meta(str(tmp_path / 'out'))
+    assert errors == [] and meta['settings']['vocab_size'] == 350
+    assert meta['vocab_size'] == data_prep.load_tokenizer(str(tmp_path / 'out')).n_vocab
+    assert len(read_split(tmp_path / 'out', 'train', 'xx')) == meta['splits']['train']['pairs']
+
+
+def test_only_our_own_leftovers_are_removed_from_out(tmp_path):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    (tmp_path / 'out').mkdir()
+    for name in ('train.zz.bin.tmp', 'meta.json.tmp', 'hyp.de.a1b2c3d4.tmp'):  # killed runs', and translate.py's
+        (tmp_path / 'out' / name).write_text('x')
+    data_prep.main(custom_args(tmp_path, tmp_path / 'out'))
+    assert [name for name in os.listdir(tmp_path / 'out') if name.endswith('.tmp')] == ['hyp.de.a1b2c3d4.tmp']
 
 
 def test_import_has_no_side_effects(tmp_path):

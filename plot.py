@@ -59,7 +59,8 @@ def save(fig, plt, path, show):
 def read_log(path):
     """A run folder or its log.jsonl -> (training records, evaluation records), each record with a
     'minutes' of training time: evaluation lines carry none, so theirs is interpolated by step, and after
-    a resume the clock goes on from the last step kept."""
+    a resume the clock goes on (train.py keeps the training time in its state; an older train.py started it
+    at zero, and then it goes on from the last step kept)."""
     if os.path.isdir(path):
         path = os.path.join(path, 'log.jsonl')
     if not os.path.isfile(path):
@@ -84,8 +85,11 @@ def read_log(path):
                 train = [t for t in train if t['step'] < r['step']]
                 evals = [e for e in evals if e['step'] < r['step']]
             minutes = r.get('elapsed_min', last)
-            if minutes < last:  # a resumed process starts its clock at zero: go on from where its model was
-                offset = train[-1]['minutes'] if train else 0.0
+            kept = train[-1]['minutes'] if train else 0.0
+            # A resumed process's clock goes on from the time kept in its state; one that is behind the last
+            # step kept started at zero (train.py before it kept the time): it goes on from that step.
+            if minutes < last and offset + minutes < kept:
+                offset = kept
             last = minutes
             train.append({**r, 'minutes': offset + minutes})
         elif 'valid_loss' in r:

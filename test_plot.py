@@ -153,6 +153,15 @@ def test_eval_minutes_are_interpolated_and_resumes_continue_the_clock(tmp_path):
     assert [(e['step'], e['minutes']) for e in evals] == [(15, 1.5), (30, 2.5)]
 
 
+def test_a_resumed_run_whose_clock_goes_on_keeps_its_minutes(tmp_path):
+    # train.py restores the training time from the state it resumes (here saved at step 20, 2.0 minutes): the
+    # resumed process logs the run's minutes, which are not to be shifted by the time of the steps it redoes.
+    run = write_log(tmp_path / 'r', [train_record(10, 1.0), train_record(20, 2.0), train_record(30, 3.0),
+                                     train_record(40, 4.0), train_record(30, 3.1), train_record(40, 4.1)])
+    train, _ = plot.read_log(run)
+    assert [(r['step'], r['minutes']) for r in train] == [(10, 1.0), (20, 2.0), (30, 3.1), (40, 4.1)]
+
+
 @pytest.mark.parametrize('content', [None, '', '\n', '{"not": "a record"}\n'])
 def test_bad_log_is_a_one_line_error_naming_it(tmp_path, content):
     run = tmp_path / 'run'

@@ -4,6 +4,7 @@ distribution over keys, causal and blind to padding where the model must be, and
 SDPA path computes; the plot commands write real PNGs and fail on bad input with one line naming the file.
 """
 import json
+import os
 from dataclasses import asdict
 
 import pytest
@@ -173,6 +174,19 @@ def test_bad_log_is_a_one_line_error_naming_it(tmp_path, content):
     msg = str(e.value)
     assert str(run / 'log.jsonl') in msg and '\n' not in msg
     assert not (tmp_path / 'c.png').exists()
+
+
+@pytest.mark.parametrize('out', ['.', 'c.xyz', 'a_file/c.png'])
+def test_bad_output_is_a_one_line_error_that_leaves_no_file(tmp_path, monkeypatch, out):
+    pytest.importorskip('matplotlib')
+    run = synthetic_log(tmp_path / 'run')
+    (tmp_path / 'a_file').write_text('')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        plot.main(['curves', run, '-o', out, '--no-show'])
+    msg = str(e.value)
+    assert f'-o {out}' in msg and '\n' not in msg
+    assert sorted(os.listdir(tmp_path)) == ['a_file', 'run']  # no figure, nor its temporary file
 
 
 @pytest.fixture(scope='module')

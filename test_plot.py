@@ -227,3 +227,9 @@ def test_bad_attention_input_is_a_one_line_error(tmp_path, checkpoint, flag, val
         plot.main(argv)
     assert named in str(e.value) and '\n' not in str(e.value)
     assert not (tmp_path / 'a.png').exists()
+
+
+def test_attention_of_a_folder_names_no_option_plot_py_lacks(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        plot.main(['attention', '--ckpt', str(tmp_path), '--src', 'a man', '-o', str(tmp_path / 'a.png'), '--no-show'])
+    assert 'is a folder' in str(e.value) and 'average-last' not in str(e.value)

@@ -437,6 +437,12 @@ def parse_args(argv=None):
         p.error(f"{', '.join(given('input', 'ref', 'rounds', 'lenpen', 'max_tokens'))}: only with --translate")
     if args.rounds < 1 or args.beam < 1:
         p.error('--rounds and --beam must be at least 1')
+    if min(args.steps, args.batch_tokens, args.decode_sents) < 1 or (args.warmup or 0) < 0:
+        p.error('--steps, --batch-tokens and --decode-sents must be at least 1, --warmup at least 0')
+    if not re.fullmatch(r'(cpu|cuda)(:\d+)?', args.device):
+        p.error(f'--device {args.device}: expected cpu, cuda or cuda:N')
+    if args.device.startswith('cuda') and not torch.cuda.is_available():
+        p.error(f'--device {args.device}: no GPU available')
     return args
 
 

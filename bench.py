@@ -478,7 +478,8 @@ def main(argv=None):
                                          np.full((args.decode_sents, 1), cfg.eos_id), 1)).to(device)
     batches = make_batches(pairs, args.batch_tokens, cfg, rng, n_batches, device)
     if len(batches) < n_batches:
-        raise SystemExit(f'only {len(batches)} batches of {args.batch_tokens} tokens; lower --batch-tokens')
+        # The sentences drawn grow with --batch-tokens: a budget smaller than a few sentences makes too few.
+        raise SystemExit(f'bench.py: only {len(batches)} batches of {args.batch_tokens} tokens; raise --batch-tokens')
 
     gpu = torch.cuda.get_device_name().lower() if device.type == 'cuda' else ''
     peak_name = args.peak or next((k for k in PEAKS if k in gpu), 'measured')

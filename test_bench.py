@@ -195,3 +195,8 @@ def test_bad_arguments_are_a_usage_error_naming_the_flag(capsys, argv, named):
         bench.parse_args(['--config', 'tiny'] + argv)
     assert e.value.code == 2 and named in capsys.readouterr().err
 
+
+def test_too_few_batches_advise_a_larger_budget():
+    with pytest.raises(SystemExit) as e:  # 6 sentences drawn for 2 + 5 batches of at most 10 tokens
+        bench.main(['--config', 'tiny', '--warmup', '2', '--steps', '5', '--batch-tokens', '10'])
+    assert 'raise --batch-tokens' in str(e.value)

@@ -147,8 +147,9 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
     axes[3].ticklabel_format(axis='y', style='sci', scilimits=(-3, 3))
     # The sixth cell holds the legend: one entry per run, shared by all panels.
     axes[5].axis('off')
-    handles = {line.get_label(): line for ax in axes[:5] for line in ax.lines}
-    axes[5].legend(handles.values(), handles.keys(), loc='center', title='run')
+    # Keyed by colour, not label: two runs of one folder name (out/NAME in two checkouts) are two entries.
+    handles = {line.get_color(): line for ax in axes[:5] for line in ax.lines}
+    axes[5].legend(handles.values(), [h.get_label() for h in handles.values()], loc='center', title='run')
     fig.tight_layout()
     save(fig, plt, out, show)
 

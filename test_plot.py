@@ -144,6 +144,17 @@ def test_curves_png_is_valid(tmp_path):
     assert sorted(p.name for p in (tmp_path / 'figs').iterdir()) == ['curves_minutes.png', 'curves_step.png']
 
 
+def test_legend_has_an_entry_per_run_even_of_one_folder_name(tmp_path, monkeypatch):
+    plt = pytest.importorskip('matplotlib.pyplot')
+    runs = [synthetic_log(tmp_path / x / 'run') for x in ('a', 'b')]
+    legends = []
+    monkeypatch.setattr(plt, 'close', lambda fig: legends.extend(ax.get_legend() for ax in fig.axes if ax.get_legend()))
+    plot.main(['curves', *runs, '-o', str(tmp_path / 'c.png'), '--no-show'])
+    (legend,) = legends
+    assert [t.get_text() for t in legend.get_texts()] == ['run', 'run']
+    assert len({h.get_color() for h in legend.legend_handles}) == 2
+
+
 def test_eval_minutes_are_interpolated_and_resumes_continue_the_clock(tmp_path):
     run = write_log(tmp_path / 'r', [train_record(10, 1.0), train_record(20, 2.0), dict(step=15, valid_loss=6.0),
                                      train_record(30, 3.0), train_record(40, 4.0),

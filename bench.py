@@ -437,6 +437,12 @@ def parse_args(argv=None):
         p.error(f"{', '.join(given('input', 'ref', 'rounds', 'lenpen', 'max_tokens'))}: only with --translate")
     if args.rounds < 1 or args.beam < 1:
         p.error('--rounds and --beam must be at least 1')
+    if min(args.steps, args.batch_tokens, args.decode_sents) < 1 or (args.warmup or 0) < 0:
+        p.error('--steps, --batch-tokens and --decode-sents must be at least 1, --warmup at least 0')
+    if not re.fullmatch(r'(cpu|cuda)(:\d+)?', args.device):
+        p.error(f'--device {args.device}: expected cpu, cuda or cuda:N')
+    if args.device.startswith('cuda') and not torch.cuda.is_available():
+        p.error(f'--device {args.device}: no GPU available')
     return args
 
 
@@ -472,7 +478,8 @@ def main(argv=None):
                                          np.full((args.decode_sents, 1), cfg.eos_id), 1)).to(device)
     batches = make_batches(pairs, args.batch_tokens, cfg, rng, n_batches, device)
     if len(batches) < n_batches:
-        raise SystemExit(f'only {len(batches)} batches of {args.batch_tokens} tokens; lower --batch-tokens')
+        # The sentences drawn grow with --batch-tokens: a budget smaller than a few sentences makes too few.
+        raise SystemExit(f'bench.py: only {len(batches)} batches of {args.batch_tokens} tokens; raise --batch-tokens')
 
     gpu = torch.cuda.get_device_name().lower() if device.type == 'cuda' else ''
     peak_name = args.peak or next((k for k in PEAKS if k in gpu), 'measured')

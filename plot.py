@@ -41,12 +41,31 @@ def has_display():
     return sys.platform in ('darwin', 'win32') or bool(os.environ.get('DISPLAY') or os.environ.get('WAYLAND_DISPLAY'))
 
 
+def figure_path(path):
+    """The -o file, checked before any work: a format matplotlib writes (PNG without an extension), and a
+    file that can be written (translate.output_path), its folder made if need be."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(path)[1][1:].lower() not in ('', *formats):
+        fail(f"-o {path}: matplotlib writes {', '.join(sorted(formats))}, not {os.path.splitext(path)[1]}")
+    if translate.is_stream(path):
+        fail(f"-o {path}: a figure is written to a file")
+    try:
+        os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    except OSError as e:
+        fail(f"-o {path}: cannot make the folder {os.path.dirname(path)}: {e.strerror}")
+    return translate.output_path('-o', path, {})
+
+
 def save(fig, plt, path, show):
     # Written under a temporary name, then renamed: a reader never sees half a PNG under the real name.
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    tmp = f"{path}.tmp"
-    fig.savefig(tmp, format=os.path.splitext(path)[1][1:] or 'png', dpi=110, bbox_inches='tight')
-    os.replace(tmp, path)
+    tmp = translate.temporary(path)
+    try:
+        fig.savefig(tmp, format=os.path.splitext(path)[1][1:] or 'png', dpi=110, bbox_inches='tight')
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
     print(f"plot.py: wrote {path}")
     if show:
         plt.show()
@@ -59,7 +78,8 @@ def save(fig, plt, path, show):
 def read_log(path):
     """A run folder or its log.jsonl -> (training records, evaluation records), each record with a
     'minutes' of training time: evaluation lines carry none, so theirs is interpolated by step, and after
-    a resume the clock goes on from the last step kept."""
+    a resume the clock goes on (train.py keeps the training time in its state; an older train.py started it
+    at zero, and then it goes on from the last step kept)."""
     if os.path.isdir(path):
         path = os.path.join(path, 'log.jsonl')
     if not os.path.isfile(path):
@@ -84,8 +104,11 @@ def read_log(path):
                 train = [t for t in train if t['step'] < r['step']]
                 evals = [e for e in evals if e['step'] < r['step']]
             minutes = r.get('elapsed_min', last)
-            if minutes < last:  # a resumed process starts its clock at zero: go on from where its model was
-                offset = train[-1]['minutes'] if train else 0.0
+            kept = train[-1]['minutes'] if train else 0.0
+            # A resumed process's clock goes on from the time kept in its state; one that is behind the last
+            # step kept started at zero (train.py before it kept the time): it goes on from that step.
+            if minutes < last and offset + minutes < kept:
+                offset = kept
             last = minutes
             train.append({**r, 'minutes': offset + minutes})
         elif 'valid_loss' in r:
@@ -104,8 +127,9 @@ PANELS = [  # (title, 0: training or 1: evaluation records, key)
 
 
 def plot_curves(runs, out, x='step', labels=None, show=False):
-    logs = [read_log(r) for r in runs]
     plt = pyplot(show)
+    out = figure_path(out)
+    logs = [read_log(r) for r in runs]
     labels = labels or [os.path.basename(os.path.normpath(r if os.path.isdir(r) else os.path.dirname(r) or '.'))
                         for r in runs]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
@@ -123,8 +147,9 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
     axes[3].ticklabel_format(axis='y', style='sci', scilimits=(-3, 3))
     # The sixth cell holds the legend: one entry per run, shared by all panels.
     axes[5].axis('off')
-    handles = {line.get_label(): line for ax in axes[:5] for line in ax.lines}
-    axes[5].legend(handles.values(), handles.keys(), loc='center', title='run')
+    # Keyed by colour, not label: two runs of one folder name (out/NAME in two checkouts) are two entries.
+    handles = {line.get_color(): line for ax in axes[:5] for line in ax.lines}
+    axes[5].legend(handles.values(), [h.get_label() for h in handles.values()], loc='center', title='run')
     fig.tight_layout()
     save(fig, plt, out, show)
 
@@ -171,6 +196,10 @@ def heatmap(ax, w, rows, cols, title, colorbar=False):
 
 
 def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None, kinds=KINDS, beam=4, show=False):
+    plt = pyplot(show)
+    out = figure_path(out)
+    if os.path.isdir(ckpt):  # not translate.py's advice, which names its own --average-last
+        fail(f"--ckpt {ckpt} is a folder: give a checkpoint file in it (ckpt.pt)")
     model, enc, _ = translate.load_checkpoint(ckpt, 'cpu')
     cfg = model.cfg
     n_layers = {'encoder': cfg.n_enc_layers, 'decoder': cfg.n_dec_layers, 'cross': cfg.n_dec_layers}
@@ -200,7 +229,6 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
     # token predicted there, so the map reads as a source-target alignment.
     dec_out = token_labels(enc, tgt_tok + [cfg.eos_id])
     axis = {'encoder': (src_lab, src_lab), 'decoder': (dec_in, dec_in), 'cross': (dec_out, src_lab)}
-    plt = pyplot(show)
     grid = [(k, L % n_layers[k]) for k in KINDS if k in kinds for L in layers]  # in the order data flows
     side = 0.22 * max(len(src_lab), len(dec_in)) + 1.2
     fig = plt.figure(figsize=(side * len(heads), side * (len(grid) + 1.6)))

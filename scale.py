@@ -183,6 +183,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.cmd == 'corpus' and (args.pairs < 1 or args.held_out < 1 or not 0 <= args.rare < 1):
         p.error('need --pairs >= 1, --held-out >= 1 and 0 <= --rare < 1')
+    if args.cmd == 'corpus' and args.src == args.tgt:  # both sides would be written to one file
+        p.error(f'--src and --tgt are both {args.src}')
+    if args.cmd == 'corpus' and os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f'--out {args.out} is a file: give a folder')
+    if args.cmd == 'loader' and (args.batches < 1 or min(args.max_tokens) < 1):
+        p.error('need --batches >= 1 and --max-tokens >= 1')
+    if args.cmd == 'checkpoints' and not os.path.isdir(args.dir):
+        p.error(f'--dir {args.dir}: no such folder')
     {'corpus': corpus, 'loader': loader, 'checkpoints': checkpoints}[args.cmd](args)
 
 

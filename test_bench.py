@@ -182,3 +182,21 @@ def test_translate_of_a_missing_checkpoint_a_folder_or_an_empty_input_is_a_one_l
         with pytest.raises(SystemExit) as e:
             bench.main(mixed)  # an option the run would ignore is an argparse error
         assert e.value.code == 2
+
+
+@pytest.mark.parametrize('argv, named', [(['--steps', '0'], '--steps'), (['--warmup', '-1'], '--warmup'),
+                                         (['--batch-tokens', '0'], '--batch-tokens'),
+                                         (['--decode-sents', '0'], '--decode-sents'), (['--device', 'foo'], '--device foo'),
+                                         (['--device', 'cuda'], '--device cuda')])
+def test_bad_arguments_are_a_usage_error_naming_the_flag(capsys, argv, named):
+    if argv == ['--device', 'cuda'] and torch.cuda.is_available():
+        pytest.skip('a GPU is there')
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(['--config', 'tiny'] + argv)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_too_few_batches_advise_a_larger_budget():
+    with pytest.raises(SystemExit) as e:  # 6 sentences drawn for 2 + 5 batches of at most 10 tokens
+        bench.main(['--config', 'tiny', '--warmup', '2', '--steps', '5', '--batch-tokens', '10'])
+    assert 'raise --batch-tokens' in str(e.value)

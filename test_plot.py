@@ -4,6 +4,7 @@ distribution over keys, causal and blind to padding where the model must be, and
 SDPA path computes; the plot commands write real PNGs and fail on bad input with one line naming the file.
 """
 import json
+import os
 from dataclasses import asdict
 
 import pytest
@@ -143,6 +144,17 @@ def test_curves_png_is_valid(tmp_path):
     assert sorted(p.name for p in (tmp_path / 'figs').iterdir()) == ['curves_minutes.png', 'curves_step.png']
 
 
+def test_legend_has_an_entry_per_run_even_of_one_folder_name(tmp_path, monkeypatch):
+    plt = pytest.importorskip('matplotlib.pyplot')
+    runs = [synthetic_log(tmp_path / x / 'run') for x in ('a', 'b')]
+    legends = []
+    monkeypatch.setattr(plt, 'close', lambda fig: legends.extend(ax.get_legend() for ax in fig.axes if ax.get_legend()))
+    plot.main(['curves', *runs, '-o', str(tmp_path / 'c.png'), '--no-show'])
+    (legend,) = legends
+    assert [t.get_text() for t in legend.get_texts()] == ['run', 'run']
+    assert len({h.get_color() for h in legend.legend_handles}) == 2
+
+
 def test_eval_minutes_are_interpolated_and_resumes_continue_the_clock(tmp_path):
     run = write_log(tmp_path / 'r', [train_record(10, 1.0), train_record(20, 2.0), dict(step=15, valid_loss=6.0),
                                      train_record(30, 3.0), train_record(40, 4.0),
@@ -151,6 +163,15 @@ def test_eval_minutes_are_interpolated_and_resumes_continue_the_clock(tmp_path):
     train, evals = plot.read_log(run)
     assert [(r['step'], r['minutes']) for r in train] == [(10, 1.0), (20, 2.0), (30, 2.5), (40, 3.5)]
     assert [(e['step'], e['minutes']) for e in evals] == [(15, 1.5), (30, 2.5)]
+
+
+def test_a_resumed_run_whose_clock_goes_on_keeps_its_minutes(tmp_path):
+    # train.py restores the training time from the state it resumes (here saved at step 20, 2.0 minutes): the
+    # resumed process logs the run's minutes, which are not to be shifted by the time of the steps it redoes.
+    run = write_log(tmp_path / 'r', [train_record(10, 1.0), train_record(20, 2.0), train_record(30, 3.0),
+                                     train_record(40, 4.0), train_record(30, 3.1), train_record(40, 4.1)])
+    train, _ = plot.read_log(run)
+    assert [(r['step'], r['minutes']) for r in train] == [(10, 1.0), (20, 2.0), (30, 3.1), (40, 4.1)]
 
 
 @pytest.mark.parametrize('content', [None, '', '\n', '{"not": "a record"}\n'])
@@ -164,6 +185,19 @@ def test_bad_log_is_a_one_line_error_naming_it(tmp_path, content):
     msg = str(e.value)
     assert str(run / 'log.jsonl') in msg and '\n' not in msg
     assert not (tmp_path / 'c.png').exists()
+
+
+@pytest.mark.parametrize('out', ['.', 'c.xyz', 'a_file/c.png'])
+def test_bad_output_is_a_one_line_error_that_leaves_no_file(tmp_path, monkeypatch, out):
+    pytest.importorskip('matplotlib')
+    run = synthetic_log(tmp_path / 'run')
+    (tmp_path / 'a_file').write_text('')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        plot.main(['curves', run, '-o', out, '--no-show'])
+    msg = str(e.value)
+    assert f'-o {out}' in msg and '\n' not in msg
+    assert sorted(os.listdir(tmp_path)) == ['a_file', 'run']  # no figure, nor its temporary file
 
 
 @pytest.fixture(scope='module')
@@ -204,3 +238,9 @@ def test_bad_attention_input_is_a_one_line_error(tmp_path, checkpoint, flag, val
         plot.main(argv)
     assert named in str(e.value) and '\n' not in str(e.value)
     assert not (tmp_path / 'a.png').exists()
+
+
+def test_attention_of_a_folder_names_no_option_plot_py_lacks(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        plot.main(['attention', '--ckpt', str(tmp_path), '--src', 'a man', '-o', str(tmp_path / 'a.png'), '--no-show'])
+    assert 'is a folder' in str(e.value) and 'average-last' not in str(e.value)

@@ -3,6 +3,7 @@ import os
 import random
 
 import numpy as np
+import pytest
 
 import data_prep
 import scale
@@ -57,3 +58,18 @@ def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
     scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '512', '4096', '--batches', '20'])
     out = capsys.readouterr().out
     assert 'max_tokens 512: batch_plan' in out and 'max_tokens 4096: batch_plan' in out
+
+
+@pytest.mark.parametrize('argv, named', [
+    (['corpus', '--pairs', '10', '--out', 'a_file'], '--out a_file'),
+    (['corpus', '--pairs', '10', '--out', 'c', '--src', 'en', '--tgt', 'en'], '--src and --tgt'),
+    (['loader', '--data', 'prep', '--batches', '0'], '--batches'),
+    (['loader', '--data', 'prep', '--max-tokens', '0'], '--max-tokens'),
+    (['checkpoints', '--dir', 'nowhere'], '--dir nowhere')])
+def test_bad_arguments_are_a_usage_error_naming_the_flag(tmp_path, monkeypatch, capsys, argv, named):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'a_file').write_text('')
+    with pytest.raises(SystemExit) as e:
+        scale.main(argv)
+    assert e.value.code == 2 and named in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ['a_file']

@@ -515,3 +515,11 @@ def test_average_of_three_checkpoints_is_the_mean(tmp_path):
     torch.testing.assert_close(avg['w'], (states[0]['w'] + states[1]['w'] + states[2]['w']) / 3)
     assert avg['b'].dtype == torch.bfloat16
     torch.testing.assert_close(avg['b'].float(), sum(s['b'].float() for s in states) / 3, atol=1e-2, rtol=0)
+
+
+def test_validation_text_files_of_unequal_length_are_a_one_line_error_before_training(data_dir, tmp_path):
+    shutil.copytree(data_dir, tmp_path / 'data')
+    ref = tmp_path / 'data' / 'valid.yy.txt'
+    ref.write_text(''.join(ref.read_text().splitlines(keepends=True)[:-1]))
+    res = train(['--max_steps=1', '--bleu_interval=0'], tmp_path / 'run', tmp_path / 'data', ok=False)
+    assert 'valid.xx.txt has 40 lines, valid.yy.txt 39' in res.stderr and 'step 1 ' not in res.stdout

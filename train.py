@@ -237,6 +237,8 @@ try:  # the token files themselves are checked by load_split
         raise ValueError(f"meta.json: vocab_size {meta['vocab_size']!r} is below the tokenizer's {enc.n_vocab} tokens")
     valid_src, valid_ref = (open(os.path.join(data_dir, f'valid.{lang}.txt'), encoding='utf-8').read().splitlines()
                             for lang in (src_lang, tgt_lang))
+    if len(valid_src) != len(valid_ref):  # else validation BLEU fails at its first call, maybe at the end of the run
+        raise ValueError(f"valid.{src_lang}.txt has {len(valid_src)} lines, valid.{tgt_lang}.txt {len(valid_ref)}")
 except (OSError, ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: {data_dir} is incomplete or damaged ({type(e).__name__}: {e}): prepare it again with data_prep.py")
 

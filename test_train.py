@@ -523,3 +523,13 @@ def test_validation_text_files_of_unequal_length_are_a_one_line_error_before_tra
     ref.write_text(''.join(ref.read_text().splitlines(keepends=True)[:-1]))
     res = train(['--max_steps=1', '--bleu_interval=0'], tmp_path / 'run', tmp_path / 'data', ok=False)
     assert 'valid.xx.txt has 40 lines, valid.yy.txt 39' in res.stderr and 'step 1 ' not in res.stdout
+
+
+def test_resume_writes_the_snapshot_a_run_killed_after_its_state_did_not(data_dir, tmp_path):
+    train(['--max_steps=4', '--save_interval=2'], tmp_path, data_dir)
+    os.remove(tmp_path / 'ckpt_0000004.pt')  # killed while writing it, just after state_0000004.pt
+    res = train(['--max_steps=4', '--init_from=resume'], tmp_path, data_dir)
+    assert 'averaged 2 checkpoint(s)' in res.stdout
+    state = torch.load(tmp_path / 'state_0000004.pt', weights_only=False)
+    for k, v in final_params(tmp_path, 4).items():
+        assert torch.equal(v, state['model'][k]), k

@@ -469,6 +469,13 @@ def evaluate(final=False):  # every rank takes part: each validates its share
         logfile.flush()
 
 
+if init_from == 'resume':  # killed between a state and its snapshot: the average would lack it (or have none)
+    snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
+    if master and not os.path.exists(snapshot):
+        save(snapshot)
+    if ddp:
+        dist.barrier()  # every rank averages it at the end
+
 # -----------------------------------------------------------------------------------------------
 # training loop
 logfile = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None

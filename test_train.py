@@ -533,3 +533,18 @@ def test_resume_writes_the_snapshot_a_run_killed_after_its_state_did_not(data_di
     state = torch.load(tmp_path / 'state_0000004.pt', weights_only=False)
     for k, v in final_params(tmp_path, 4).items():
         assert torch.equal(v, state['model'][k]), k
+
+
+def test_resume_on_other_training_data_with_the_same_tokenizer_is_refused(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=2'], tmp_path / 'run', data_dir)
+    shutil.copytree(data_dir, tmp_path / 'copy')
+    train(['--max_steps=3', '--init_from=resume'], tmp_path / 'run', tmp_path / 'copy')  # the same data elsewhere
+    other = tmp_path / 'other'  # the tokenizer of the run, other training pairs (its validation set's)
+    shutil.copytree(data_dir, other)
+    for ext in ('bin', 'idx'):
+        for lang in ('xx', 'yy'):
+            shutil.copy(other / f'valid.{lang}.{ext}', other / f'train.{lang}.{ext}')
+    meta = json.loads((other / 'meta.json').read_text())
+    (other / 'meta.json').write_text(json.dumps({**meta, 'splits': {**meta['splits'], 'train': meta['splits']['valid']}}))
+    res = train(['--max_steps=4', '--init_from=resume'], tmp_path / 'run', other, ok=False)
+    assert f"data_dir='{other}' (the run's: '{tmp_path / 'copy'}', other training pairs)" in res.stderr

@@ -289,6 +289,11 @@ if init_from == 'resume':  # the saved architecture and optimizer state win: a d
     fixed += ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens']
     changed = [f"{k}={config[k]!r} (the run's: {state['config'][k]!r})" for k in fixed
                if k in state.get('config', {}) and config[k] != state['config'][k]]
+    # The training set makes that plan too: a corpus of the same tokenizer (as a fine-tune's is) would go on from
+    # this one's position. Compared while the run's own data_dir is there; a copy or a moved folder resumes.
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        if data_prep.load_meta(state['data_dir'])['splits']['train'] != meta['splits']['train']:
+            changed.append(f"data_dir={data_dir!r} (the run's: {state['data_dir']!r}, other training pairs)")
     if changed:
         sys.exit(f"init_from='resume' continues {out_dir} as it was trained, but these settings differ from "
                  f"its own: {', '.join(changed)}; drop them, or start a new run from its weights with "

@@ -548,3 +548,8 @@ def test_resume_on_other_training_data_with_the_same_tokenizer_is_refused(data_d
     (other / 'meta.json').write_text(json.dumps({**meta, 'splits': {**meta['splits'], 'train': meta['splits']['valid']}}))
     res = train(['--max_steps=4', '--init_from=resume'], tmp_path / 'run', other, ok=False)
     assert f"data_dir='{other}' (the run's: '{tmp_path / 'copy'}', other training pairs)" in res.stderr
+
+
+def test_fine_tuning_from_a_folder_names_no_option_train_py_lacks(data_dir, tmp_path):
+    res = train(['--max_steps=1', f'--init_from={tmp_path}'], tmp_path / 'run', data_dir, ok=False)
+    assert 'is a folder' in res.stderr and '--average-last' not in res.stderr and '--init_from=resume' in res.stderr

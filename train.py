@@ -275,6 +275,9 @@ if init_from == 'resume':
         sys.exit(f"{out_dir} holds snapshots newer than {init_path} (step {state['step']}): {', '.join(newer[:4])}; "
                  f"move them out of it to resume from step {state['step']}")
 elif init_from != 'scratch':
+    if os.path.isdir(init_from):  # not translate.py's advice, which names its own --average-last
+        sys.exit(f"init_from={init_from!r} is a folder: give a checkpoint file in it (ckpt.pt), or continue the run "
+                 f"in out_dir with --init_from=resume")
     init_path, state = init_from, translate.read_checkpoint(init_from)
 if state is not None and not data_prep.same_tokenizer(state['tokenizer'], tokenizer):
     # Same size is not enough: two BPEs of 8000 merges map the same ids to different words.

@@ -515,3 +515,41 @@ def test_average_of_three_checkpoints_is_the_mean(tmp_path):
     torch.testing.assert_close(avg['w'], (states[0]['w'] + states[1]['w'] + states[2]['w']) / 3)
     assert avg['b'].dtype == torch.bfloat16
     torch.testing.assert_close(avg['b'].float(), sum(s['b'].float() for s in states) / 3, atol=1e-2, rtol=0)
+
+
+def test_validation_text_files_of_unequal_length_are_a_one_line_error_before_training(data_dir, tmp_path):
+    shutil.copytree(data_dir, tmp_path / 'data')
+    ref = tmp_path / 'data' / 'valid.yy.txt'
+    ref.write_text(''.join(ref.read_text().splitlines(keepends=True)[:-1]))
+    res = train(['--max_steps=1', '--bleu_interval=0'], tmp_path / 'run', tmp_path / 'data', ok=False)
+    assert 'valid.xx.txt has 40 lines, valid.yy.txt 39' in res.stderr and 'step 1 ' not in res.stdout
+
+
+def test_resume_writes_the_snapshot_a_run_killed_after_its_state_did_not(data_dir, tmp_path):
+    train(['--max_steps=4', '--save_interval=2'], tmp_path, data_dir)
+    os.remove(tmp_path / 'ckpt_0000004.pt')  # killed while writing it, just after state_0000004.pt
+    res = train(['--max_steps=4', '--init_from=resume'], tmp_path, data_dir)
+    assert 'averaged 2 checkpoint(s)' in res.stdout
+    state = torch.load(tmp_path / 'state_0000004.pt', weights_only=False)
+    for k, v in final_params(tmp_path, 4).items():
+        assert torch.equal(v, state['model'][k]), k
+
+
+def test_resume_on_other_training_data_with_the_same_tokenizer_is_refused(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=2'], tmp_path / 'run', data_dir)
+    shutil.copytree(data_dir, tmp_path / 'copy')
+    train(['--max_steps=3', '--init_from=resume'], tmp_path / 'run', tmp_path / 'copy')  # the same data elsewhere
+    other = tmp_path / 'other'  # the tokenizer of the run, other training pairs (its validation set's)
+    shutil.copytree(data_dir, other)
+    for ext in ('bin', 'idx'):
+        for lang in ('xx', 'yy'):
+            shutil.copy(other / f'valid.{lang}.{ext}', other / f'train.{lang}.{ext}')
+    meta = json.loads((other / 'meta.json').read_text())
+    (other / 'meta.json').write_text(json.dumps({**meta, 'splits': {**meta['splits'], 'train': meta['splits']['valid']}}))
+    res = train(['--max_steps=4', '--init_from=resume'], tmp_path / 'run', other, ok=False)
+    assert f"data_dir='{other}' (the run's: '{tmp_path / 'copy'}', other training pairs)" in res.stderr
+
+
+def test_fine_tuning_from_a_folder_names_no_option_train_py_lacks(data_dir, tmp_path):
+    res = train(['--max_steps=1', f'--init_from={tmp_path}'], tmp_path / 'run', data_dir, ok=False)
+    assert 'is a folder' in res.stderr and '--average-last' not in res.stderr and '--init_from=resume' in res.stderr

@@ -237,6 +237,8 @@ try:  # the token files themselves are checked by load_split
         raise ValueError(f"meta.json: vocab_size {meta['vocab_size']!r} is below the tokenizer's {enc.n_vocab} tokens")
     valid_src, valid_ref = (open(os.path.join(data_dir, f'valid.{lang}.txt'), encoding='utf-8').read().splitlines()
                             for lang in (src_lang, tgt_lang))
+    if len(valid_src) != len(valid_ref):  # else validation BLEU fails at its first call, maybe at the end of the run
+        raise ValueError(f"valid.{src_lang}.txt has {len(valid_src)} lines, valid.{tgt_lang}.txt {len(valid_ref)}")
 except (OSError, ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: {data_dir} is incomplete or damaged ({type(e).__name__}: {e}): prepare it again with data_prep.py")
 
@@ -273,6 +275,9 @@ if init_from == 'resume':
         sys.exit(f"{out_dir} holds snapshots newer than {init_path} (step {state['step']}): {', '.join(newer[:4])}; "
                  f"move them out of it to resume from step {state['step']}")
 elif init_from != 'scratch':
+    if os.path.isdir(init_from):  # not translate.py's advice, which names its own --average-last
+        sys.exit(f"init_from={init_from!r} is a folder: give a checkpoint file in it (ckpt.pt), or continue the run "
+                 f"in out_dir with --init_from=resume")
     init_path, state = init_from, translate.read_checkpoint(init_from)
 if state is not None and not data_prep.same_tokenizer(state['tokenizer'], tokenizer):
     # Same size is not enough: two BPEs of 8000 merges map the same ids to different words.
@@ -287,6 +292,11 @@ if init_from == 'resume':  # the saved architecture and optimizer state win: a d
     fixed += ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens']
     changed = [f"{k}={config[k]!r} (the run's: {state['config'][k]!r})" for k in fixed
                if k in state.get('config', {}) and config[k] != state['config'][k]]
+    # The training set makes that plan too: a corpus of the same tokenizer (as a fine-tune's is) would go on from
+    # this one's position. Compared while the run's own data_dir is there; a copy or a moved folder resumes.
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        if data_prep.load_meta(state['data_dir'])['splits']['train'] != meta['splits']['train']:
+            changed.append(f"data_dir={data_dir!r} (the run's: {state['data_dir']!r}, other training pairs)")
     if changed:
         sys.exit(f"init_from='resume' continues {out_dir} as it was trained, but these settings differ from "
                  f"its own: {', '.join(changed)}; drop them, or start a new run from its weights with "
@@ -466,6 +476,13 @@ def evaluate(final=False):  # every rank takes part: each validates its share
         logfile.write(json.dumps(record) + '\n')
         logfile.flush()
 
+
+if init_from == 'resume':  # killed between a state and its snapshot: the average would lack it (or have none)
+    snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
+    if master and not os.path.exists(snapshot):
+        save(snapshot)
+    if ddp:
+        dist.barrier()  # every rank averages it at the end
 
 # -----------------------------------------------------------------------------------------------
 # training loop

@@ -351,6 +351,24 @@ def test_averaging_refuses_to_overwrite_its_inputs_or_mix_runs(toy, tmp_path):
     assert 'ckpt_0000004.pt' in str(e.value) and 'eos_id' in str(e.value)
 
 
+def test_an_output_never_overwrites_an_averaged_checkpoint_or_an_exports_file(toy, tmp_path):
+    run_dir, export = tmp_path / 'run', tmp_path / 'ct2'
+    run_dir.mkdir()
+    export.mkdir()
+    for step in (1, 2):
+        (run_dir / f'ckpt_{step:07d}.pt').write_bytes(open(toy['ckpt'], 'rb').read())
+    (export / T.CT2_MARKER).write_text('{}')  # refused before it loads: what is in the files does not matter
+    (export / 'model.bin').write_text('weights')
+    for args in (['--ckpt', str(run_dir), '--average-last', '2', '--output', str(run_dir / 'ckpt_0000002.pt')],
+                 ['--ckpt', str(run_dir / 'ckpt_0000001.pt'), '--average-last', '2',
+                  '--output', str(run_dir / 'ckpt_0000002.pt')],
+                 ['--ckpt', str(export), '--output', str(export / 'model.bin')]):
+        with pytest.raises(SystemExit) as e:
+            T.main([*args, '--input', toy['src'], '--greedy'])
+        assert 'would overwrite' in str(e.value), args
+    assert T.read_checkpoint(str(run_dir / 'ckpt_0000002.pt')) and (export / 'model.bin').read_text() == 'weights'
+
+
 def test_output_to_dev_stdout_appends_to_a_redirected_file_and_writes_to_a_pipe(toy, tmp_path):
     log = tmp_path / 'log.txt'
     log.write_text('KEEP ME\n')

@@ -77,8 +77,8 @@ def is_stream(path):
 
 def output_path(flag, path, others):
     """The file an output flag writes, checked before any work: a symlink's target (the link stays), never a
-    folder or another of the run's files (others: {flag: path}), and in a folder where a temporary file can
-    be made. A stream (is_stream) is returned as it is, for --output only."""
+    folder or another of the run's files (others: (flag, path) pairs), and in a folder where a temporary file
+    can be made. A stream (is_stream) is returned as it is, for --output only."""
     if is_stream(path):
         if flag != '--output':
             fail(f"{flag} {path}: a checkpoint is written to a file")
@@ -86,7 +86,7 @@ def output_path(flag, path, others):
     real = os.path.realpath(path)
     if os.path.isdir(real):
         fail(f"{flag} {path} is a folder")
-    for other, q in others.items():
+    for other, q in others:
         if q and (os.path.realpath(q) == real or os.path.exists(real) and os.path.exists(q) and os.path.samefile(q, real)):
             fail(f"{flag} {path} is also {other} {q}, which it would overwrite")
     try:  # what is left is a file, or none yet: a temporary one must be possible beside it
@@ -249,12 +249,16 @@ def checkpoints(folder, prefix='ckpt'):
     return [p for _, p in found]
 
 
+def run_folder(path):  # where --average-last looks: --ckpt's folder, or --ckpt itself
+    return path if os.path.isdir(path) else os.path.dirname(path) or '.'
+
+
 def newest_checkpoints(path, n):
     if n < 1:  # found[-n:] would quietly take the oldest
         fail(f"--average-last {n}: must be at least 1")
     if not os.path.exists(path):  # not quietly its folder
         fail(f"checkpoint {path} not found")
-    folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
+    folder = run_folder(path)
     found = checkpoints(folder)
     if not found:
         fail(f"no ckpt_STEP.pt checkpoints in {folder} to average")
@@ -596,11 +600,14 @@ def main(argv=None):
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
     # Before the model loads: an output that cannot be written fails at once.
-    inputs = {'--input': args.input, '--ref': args.ref, '--ckpt': args.ckpt if os.path.isfile(args.ckpt) else None}
+    # What --ckpt reads besides itself: an export's files, or every checkpoint --average-last may average.
+    ckpts = [args.ckpt, *([os.path.join(args.ckpt, f) for f in os.listdir(args.ckpt)] if ct2 else
+                          checkpoints(run_folder(args.ckpt)) if args.average_last else [])]
+    inputs = [('--input', args.input), ('--ref', args.ref), *(('--ckpt', q) for q in ckpts if os.path.isfile(q))]
     if args.output:
         args.output = output_path('--output', args.output, inputs)
     if args.save_average:
-        args.save_average = output_path('--save-average', args.save_average, {**inputs, '--output': args.output})
+        args.save_average = output_path('--save-average', args.save_average, [*inputs, ('--output', args.output)])
     lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
     refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
     if refs is not None and lines is not None and len(refs) != len(lines):
@@ -610,8 +617,6 @@ def main(argv=None):
         model, enc = load_ct2(args.ckpt, args.device, args.ct2_compute_type)
     elif args.average_last:
         paths = newest_checkpoints(args.ckpt, args.average_last)
-        if args.save_average and args.save_average in map(os.path.realpath, paths):
-            fail(f"--save-average {args.save_average} is one of the checkpoints it averages, which it would overwrite")
         warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
         model, enc, ckpt = load_checkpoint(paths[-1], args.device, average_checkpoints(paths))
         if args.save_average:

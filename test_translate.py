@@ -233,6 +233,13 @@ def test_a_translation_that_reaches_the_positional_table_is_named(toy, capsys):
     assert 'line 8:' in err and f'max_len {cfg.max_len}' in err and 'line 7:' not in err
 
 
+def test_an_output_cap_far_past_the_table_is_the_table_not_an_empty_translation(toy):
+    lines = toy['lines'][:4]
+    table = list(T.translate_lines(toy['model'], toy['enc'], lines, greedy=True, max_len_a=toy['cfg'].max_len))
+    assert all(table) and table == list(T.translate_lines(toy['model'], toy['enc'], lines, greedy=True, max_len_a=1e30))
+    assert table == list(T.translate_lines(toy['model'], toy['enc'], lines, greedy=True, max_len_b=10 ** 20))
+
+
 def test_hypotheses_never_contain_line_breaks(toy, monkeypatch):
     # A model may well generate a newline token; written out as is, it would shift every later line.
     enc = toy['enc']

@@ -376,6 +376,16 @@ def test_an_output_never_overwrites_an_averaged_checkpoint_or_an_exports_file(to
     assert T.read_checkpoint(str(run_dir / 'ckpt_0000002.pt')) and (export / 'model.bin').read_text() == 'weights'
 
 
+def test_an_output_is_never_the_file_standard_input_reads(toy, tmp_path):
+    src = tmp_path / 'src'
+    src.write_text('alpha beta\n')
+    with open(src) as f:  # `translate.py --output src < src`
+        r = run(['--ckpt', toy['ckpt'], '--greedy', '--output', str(src)], stdin=f)
+    assert r.returncode == 1 and b'would overwrite' in r.stderr and src.read_text() == 'alpha beta\n'
+    r = run(['--ckpt', toy['ckpt'], '--greedy', '--output', str(src)], input=b'beta alpha\n')  # a pipe is no file
+    assert r.returncode == 0 and src.read_text().count('\n') == 1
+
+
 def test_output_to_dev_stdout_appends_to_a_redirected_file_and_writes_to_a_pipe(toy, tmp_path):
     log = tmp_path / 'log.txt'
     log.write_text('KEEP ME\n')

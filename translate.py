@@ -606,7 +606,9 @@ def main(argv=None):
     # What --ckpt reads besides itself: an export's files, or every checkpoint --average-last may average.
     ckpts = [args.ckpt, *([os.path.join(args.ckpt, f) for f in os.listdir(args.ckpt)] if ct2 else
                           checkpoints(run_folder(args.ckpt)) if args.average_last else [])]
-    inputs = [('--input', args.input), ('--ref', args.ref), *(('--ckpt', q) for q in ckpts if os.path.isfile(q))]
+    # Standard input resolves to the file the shell opened for `< my.en`, which --output my.en would replace.
+    inputs = [('--input', args.input) if args.input else ('standard input', '/dev/stdin'), ('--ref', args.ref),
+              *(('--ckpt', q) for q in ckpts if os.path.isfile(q))]
     if args.output:
         args.output = output_path('--output', args.output, inputs)
     if args.save_average:

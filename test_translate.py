@@ -397,6 +397,12 @@ def test_output_to_dev_stdout_appends_to_a_redirected_file_and_writes_to_a_pipe(
     assert res.returncode == 0 and len(res.stdout.decode().splitlines()) == len(toy['lines']), res.stderr
 
 
+def test_an_output_stream_that_is_not_open_is_a_one_line_error_before_any_work(toy, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        T.main(['--ckpt', str(tmp_path / 'missing.pt'), '--input', toy['src'], '--output', '/dev/fd/987'])
+    assert '--output /dev/fd/987: No such file or directory' in str(e.value)
+
+
 def test_a_file_under_dev_is_replaced_not_appended_to(toy):
     if not os.path.isdir('/dev/shm'):
         pytest.skip('no /dev/shm')

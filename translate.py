@@ -82,6 +82,8 @@ def output_path(flag, path, others):
     if is_stream(path):
         if flag != '--output':
             fail(f"{flag} {path}: a checkpoint is written to a file")
+        if not os.path.exists(path):  # /dev/fd/N of a descriptor nobody opened: not opened here (a FIFO would block)
+            fail(f"{flag} {path}: No such file or directory")
         return path
     real = os.path.realpath(path)
     if os.path.isdir(real):

@@ -3,6 +3,7 @@ Tests for translate.py. A module fixture trains a tiny model.Transformer to reve
 sentences over a 12-word vocabulary (through a small BPE tokenizer), saves it in the checkpoint format
 of the README's Formats section, and translate.py then runs on it as a library, in-process (main) and as a script.
 """
+import json
 import os
 import pty
 import random
@@ -503,6 +504,17 @@ def test_average_checkpoints_is_the_elementwise_mean_of_the_newest_by_step(toy, 
         torch.save({'model': {'w': torch.full((3,), w, dtype=torch.bfloat16)}}, tmp_path / f'b{i}.pt')
     w = T.average_checkpoints([str(tmp_path / f'b{i}.pt') for i in range(3)])['w']
     assert w.dtype == torch.bfloat16 and torch.equal(w, torch.full((3,), 7 / 3).bfloat16())
+
+
+def test_checkpoints_naming_their_tokenizer_file_average(toy, tmp_path):
+    ckpt = torch.load(toy['ckpt'], weights_only=True)
+    (tmp_path / 'tokenizer.json').write_text(json.dumps(ckpt['tokenizer']))
+    for step in (1, 2):  # the tokenizer as a path beside the checkpoint, which load_checkpoint reads
+        torch.save({**ckpt, 'tokenizer': 'tokenizer.json'}, tmp_path / f'ckpt_{step:07d}.pt')
+    out = tmp_path / 'hyp'
+    T.main(['--ckpt', str(tmp_path), '--average-last', '2', '--input', toy['src'], '--greedy', '--output', str(out)])
+    assert out.read_text().splitlines() == [toy['enc'].decode(own_decode(toy, s, greedy=True)[0][0])
+                                            for s in toy['lines']]
 
 
 def test_bad_checkpoints_are_clear_one_line_errors_naming_the_file(toy, tmp_path):

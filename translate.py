@@ -223,7 +223,8 @@ def average_checkpoints(paths):
         if total is None:
             total, dtypes, first = {}, {k: v.dtype for k, v in sd.items()}, ckpt
         # Weights of one shape from two runs average to nonsense: same tokenizer and model config, or no mean.
-        if not data_prep.same_tokenizer(ckpt.get('tokenizer') or {}, first.get('tokenizer') or {}):
+        tok, tok0 = ckpt.get('tokenizer') or {}, first.get('tokenizer') or {}  # a dict, or a path (load_checkpoint)
+        if tok != tok0 and not (isinstance(tok, dict) and isinstance(tok0, dict) and data_prep.same_tokenizer(tok, tok0)):
             fail(f"{p}: its tokenizer differs from that of {paths[0]}: not checkpoints of one run")
         cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}
         diff = sorted(k for k in cfg.keys() | cfg0.keys() if cfg.get(k) != cfg0.get(k) and 'dropout' not in k)

@@ -173,6 +173,12 @@ def test_bad_exports_and_options_are_one_line_errors(toys, tmp_path):
     assert 'missing.pt' in str(e.value) and not (tmp_path / 'x').exists()
 
 
+def test_an_export_given_as_the_checkpoint_to_export_is_named_as_an_export(toys):
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', toys[0][True]['ct2'], '--out', toys[0][True]['ct2'] + '2'])
+    assert 'is a CTranslate2 export' in str(e.value) and '--average-last' not in str(e.value)
+
+
 def test_force_replaces_only_an_export_and_two_exports_never_both_win(toys, tmp_path, monkeypatch):
     ckpt = str(toys[0][False]['folder'] / 'ckpt.pt')
     out = tmp_path / 'ct2'

@@ -99,6 +99,8 @@ def output_path(flag, path, others):
 
 
 def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
+    if is_ct2_export(path):  # not a folder of checkpoints, as the message below would have it
+        fail(f"{path} is a CTranslate2 export (export_ct2.py), not a checkpoint: give the checkpoint it was made from")
     if os.path.isdir(path):
         fail(f"{path} is a folder: give a checkpoint file in it, or --average-last N to average its newest ckpt_STEP.pt")
     if not os.path.isfile(path):

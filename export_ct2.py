@@ -116,13 +116,14 @@ def export(model, tokenizer, out, quantization='none', force=False, info=None):
     def check_out():
         if not os.path.lexists(out):
             return
-        if not force:
-            T.fail(f"{out} already exists; use --force to replace it")
+        # What --force would refuse first: advising --force where it cannot help only sends the user round.
         if not os.path.isfile(os.path.join(out, T.CT2_MARKER)):
             T.fail(f"{out} exists and is not an export of export_ct2.py; not replacing it")
         others = sorted(set(os.listdir(out)) - EXPORT_FILES)
         if others:  # --force replaces an export, not whatever else was put in its folder
             T.fail(f"{out} holds files that are not the export's ({', '.join(others[:4])}); not replacing it")
+        if not force:
+            T.fail(f"{out} already exists; use --force to replace it")
     check_out()
     spec = build_spec(model)
     spec.validate()

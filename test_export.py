@@ -103,6 +103,20 @@ def test_an_existing_out_is_refused_without_force_and_replaced_whole_with_it(toy
     assert 'not an export' in str(e.value) and (toy['folder'] / 'ckpt.pt').exists()
 
 
+def test_force_is_advised_only_where_it_would_replace_the_out(toys, tmp_path):
+    ckpt = str(toys[0][False]['folder'] / 'ckpt.pt')
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'log.jsonl').write_text('{}')
+    with pytest.raises(SystemExit) as e:  # a training folder: --force would refuse it too
+        E.main(['--ckpt', ckpt, '--out', str(tmp_path / 'run')])
+    assert 'not an export' in str(e.value) and '--force' not in str(e.value)
+    E.main(['--ckpt', ckpt, '--out', str(tmp_path / 'ct2')])
+    (tmp_path / 'ct2' / 'notes.txt').write_text('mine')
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', ckpt, '--out', str(tmp_path / 'ct2')])
+    assert 'notes.txt' in str(e.value) and '--force' not in str(e.value)
+
+
 def test_export_of_averaged_checkpoints_equals_export_of_the_average(toys, tmp_path):
     toy = toys[0][False]
     base = torch.load(toy['folder'] / 'ckpt.pt', weights_only=True)
@@ -157,6 +171,12 @@ def test_bad_exports_and_options_are_one_line_errors(toys, tmp_path):
     with pytest.raises(SystemExit) as e:
         E.main(['--ckpt', str(tmp_path / 'missing.pt'), '--out', str(tmp_path / 'x')])
     assert 'missing.pt' in str(e.value) and not (tmp_path / 'x').exists()
+
+
+def test_an_export_given_as_the_checkpoint_to_export_is_named_as_an_export(toys):
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', toys[0][True]['ct2'], '--out', toys[0][True]['ct2'] + '2'])
+    assert 'is a CTranslate2 export' in str(e.value) and '--average-last' not in str(e.value)
 
 
 def test_force_replaces_only_an_export_and_two_exports_never_both_win(toys, tmp_path, monkeypatch):

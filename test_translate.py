@@ -3,6 +3,7 @@ Tests for translate.py. A module fixture trains a tiny model.Transformer to reve
 sentences over a 12-word vocabulary (through a small BPE tokenizer), saves it in the checkpoint format
 of the README's Formats section, and translate.py then runs on it as a library, in-process (main) and as a script.
 """
+import json
 import os
 import pty
 import random
@@ -233,6 +234,13 @@ def test_a_translation_that_reaches_the_positional_table_is_named(toy, capsys):
     assert 'line 8:' in err and f'max_len {cfg.max_len}' in err and 'line 7:' not in err
 
 
+def test_an_output_cap_far_past_the_table_is_the_table_not_an_empty_translation(toy):
+    lines = toy['lines'][:4]
+    table = list(T.translate_lines(toy['model'], toy['enc'], lines, greedy=True, max_len_a=toy['cfg'].max_len))
+    assert all(table) and table == list(T.translate_lines(toy['model'], toy['enc'], lines, greedy=True, max_len_a=1e30))
+    assert table == list(T.translate_lines(toy['model'], toy['enc'], lines, greedy=True, max_len_b=10 ** 20))
+
+
 def test_hypotheses_never_contain_line_breaks(toy, monkeypatch):
     # A model may well generate a newline token; written out as is, it would shift every later line.
     enc = toy['enc']
@@ -351,6 +359,34 @@ def test_averaging_refuses_to_overwrite_its_inputs_or_mix_runs(toy, tmp_path):
     assert 'ckpt_0000004.pt' in str(e.value) and 'eos_id' in str(e.value)
 
 
+def test_an_output_never_overwrites_an_averaged_checkpoint_or_an_exports_file(toy, tmp_path):
+    run_dir, export = tmp_path / 'run', tmp_path / 'ct2'
+    run_dir.mkdir()
+    export.mkdir()
+    for step in (1, 2):
+        (run_dir / f'ckpt_{step:07d}.pt').write_bytes(open(toy['ckpt'], 'rb').read())
+    (export / T.CT2_MARKER).write_text('{}')  # refused before it loads: what is in the files does not matter
+    (export / 'model.bin').write_text('weights')
+    for args in (['--ckpt', str(run_dir), '--average-last', '2', '--output', str(run_dir / 'ckpt_0000002.pt')],
+                 ['--ckpt', str(run_dir / 'ckpt_0000001.pt'), '--average-last', '2',
+                  '--output', str(run_dir / 'ckpt_0000002.pt')],
+                 ['--ckpt', str(export), '--output', str(export / 'model.bin')]):
+        with pytest.raises(SystemExit) as e:
+            T.main([*args, '--input', toy['src'], '--greedy'])
+        assert 'would overwrite' in str(e.value), args
+    assert T.read_checkpoint(str(run_dir / 'ckpt_0000002.pt')) and (export / 'model.bin').read_text() == 'weights'
+
+
+def test_an_output_is_never_the_file_standard_input_reads(toy, tmp_path):
+    src = tmp_path / 'src'
+    src.write_text('alpha beta\n')
+    with open(src) as f:  # `translate.py --output src < src`
+        r = run(['--ckpt', toy['ckpt'], '--greedy', '--output', str(src)], stdin=f)
+    assert r.returncode == 1 and b'would overwrite' in r.stderr and src.read_text() == 'alpha beta\n'
+    r = run(['--ckpt', toy['ckpt'], '--greedy', '--output', str(src)], input=b'beta alpha\n')  # a pipe is no file
+    assert r.returncode == 0 and src.read_text().count('\n') == 1
+
+
 def test_output_to_dev_stdout_appends_to_a_redirected_file_and_writes_to_a_pipe(toy, tmp_path):
     log = tmp_path / 'log.txt'
     log.write_text('KEEP ME\n')
@@ -360,6 +396,12 @@ def test_output_to_dev_stdout_appends_to_a_redirected_file_and_writes_to_a_pipe(
     assert log.read_text().splitlines()[0] == 'KEEP ME' and len(log.read_text().splitlines()) == len(toy['lines']) + 1
     res = run(args)  # a pipe: /proc/PID/fd/pipe:[N] is no path to make a temporary file beside
     assert res.returncode == 0 and len(res.stdout.decode().splitlines()) == len(toy['lines']), res.stderr
+
+
+def test_an_output_stream_that_is_not_open_is_a_one_line_error_before_any_work(toy, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        T.main(['--ckpt', str(tmp_path / 'missing.pt'), '--input', toy['src'], '--output', '/dev/fd/987'])
+    assert '--output /dev/fd/987: No such file or directory' in str(e.value)
 
 
 def test_a_file_under_dev_is_replaced_not_appended_to(toy):
@@ -462,6 +504,17 @@ def test_average_checkpoints_is_the_elementwise_mean_of_the_newest_by_step(toy, 
         torch.save({'model': {'w': torch.full((3,), w, dtype=torch.bfloat16)}}, tmp_path / f'b{i}.pt')
     w = T.average_checkpoints([str(tmp_path / f'b{i}.pt') for i in range(3)])['w']
     assert w.dtype == torch.bfloat16 and torch.equal(w, torch.full((3,), 7 / 3).bfloat16())
+
+
+def test_checkpoints_naming_their_tokenizer_file_average(toy, tmp_path):
+    ckpt = torch.load(toy['ckpt'], weights_only=True)
+    (tmp_path / 'tokenizer.json').write_text(json.dumps(ckpt['tokenizer']))
+    for step in (1, 2):  # the tokenizer as a path beside the checkpoint, which load_checkpoint reads
+        torch.save({**ckpt, 'tokenizer': 'tokenizer.json'}, tmp_path / f'ckpt_{step:07d}.pt')
+    out = tmp_path / 'hyp'
+    T.main(['--ckpt', str(tmp_path), '--average-last', '2', '--input', toy['src'], '--greedy', '--output', str(out)])
+    assert out.read_text().splitlines() == [toy['enc'].decode(own_decode(toy, s, greedy=True)[0][0])
+                                            for s in toy['lines']]
 
 
 def test_bad_checkpoints_are_clear_one_line_errors_naming_the_file(toy, tmp_path):

@@ -77,16 +77,18 @@ def is_stream(path):
 
 def output_path(flag, path, others):
     """The file an output flag writes, checked before any work: a symlink's target (the link stays), never a
-    folder or another of the run's files (others: {flag: path}), and in a folder where a temporary file can
-    be made. A stream (is_stream) is returned as it is, for --output only."""
+    folder or another of the run's files (others: (flag, path) pairs), and in a folder where a temporary file
+    can be made. A stream (is_stream) is returned as it is, for --output only."""
     if is_stream(path):
         if flag != '--output':
             fail(f"{flag} {path}: a checkpoint is written to a file")
+        if not os.path.exists(path):  # /dev/fd/N of a descriptor nobody opened: not opened here (a FIFO would block)
+            fail(f"{flag} {path}: No such file or directory")
         return path
     real = os.path.realpath(path)
     if os.path.isdir(real):
         fail(f"{flag} {path} is a folder")
-    for other, q in others.items():
+    for other, q in others:
         if q and (os.path.realpath(q) == real or os.path.exists(real) and os.path.exists(q) and os.path.samefile(q, real)):
             fail(f"{flag} {path} is also {other} {q}, which it would overwrite")
     try:  # what is left is a file, or none yet: a temporary one must be possible beside it
@@ -97,6 +99,8 @@ def output_path(flag, path, others):
 
 
 def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
+    if is_ct2_export(path):  # not a folder of checkpoints, as the message below would have it
+        fail(f"{path} is a CTranslate2 export (export_ct2.py), not a checkpoint: give the checkpoint it was made from")
     if os.path.isdir(path):
         fail(f"{path} is a folder: give a checkpoint file in it, or --average-last N to average its newest ckpt_STEP.pt")
     if not os.path.isfile(path):
@@ -221,7 +225,8 @@ def average_checkpoints(paths):
         if total is None:
             total, dtypes, first = {}, {k: v.dtype for k, v in sd.items()}, ckpt
         # Weights of one shape from two runs average to nonsense: same tokenizer and model config, or no mean.
-        if not data_prep.same_tokenizer(ckpt.get('tokenizer') or {}, first.get('tokenizer') or {}):
+        tok, tok0 = ckpt.get('tokenizer') or {}, first.get('tokenizer') or {}  # a dict, or a path (load_checkpoint)
+        if tok != tok0 and not (isinstance(tok, dict) and isinstance(tok0, dict) and data_prep.same_tokenizer(tok, tok0)):
             fail(f"{p}: its tokenizer differs from that of {paths[0]}: not checkpoints of one run")
         cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}
         diff = sorted(k for k in cfg.keys() | cfg0.keys() if cfg.get(k) != cfg0.get(k) and 'dropout' not in k)
@@ -249,12 +254,16 @@ def checkpoints(folder, prefix='ckpt'):
     return [p for _, p in found]
 
 
+def run_folder(path):  # where --average-last looks: --ckpt's folder, or --ckpt itself
+    return path if os.path.isdir(path) else os.path.dirname(path) or '.'
+
+
 def newest_checkpoints(path, n):
     if n < 1:  # found[-n:] would quietly take the oldest
         fail(f"--average-last {n}: must be at least 1")
     if not os.path.exists(path):  # not quietly its folder
         fail(f"checkpoint {path} not found")
-    folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
+    folder = run_folder(path)
     found = checkpoints(folder)
     if not found:
         fail(f"no ckpt_STEP.pt checkpoints in {folder} to average")
@@ -408,6 +417,9 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
     # table where it must be (model.max_lengths), as fairseq does, rather than cutting the source to leave
     # room for it; a translation that reaches the lowered cap is named below.
     limit = cfg.max_len - 1
+    # Lowered to the table before model.max_lengths lowers them: past int64 it wrapped a cap (a of 1e18, say)
+    # round to 1, an empty translation for every line. Caps are the same for all values that did not overflow.
+    cap_a, cap_b = min(max_len_a, cfg.max_len), min(max_len_b, cfg.max_len)
     lines, srcs = list(lines), {}
     for i, line in enumerate(lines):
         if line.strip():
@@ -439,11 +451,11 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                 # to the caller (who may train the model between two lines).
                 with torch.no_grad(), autocast, packed_weights(model, packs):
                     if isinstance(model, CT2Model):
-                        out = model.decode(src, 1 if greedy else beam, alpha, max_len_a, max_len_b, nbest)
+                        out = model.decode(src, 1 if greedy else beam, alpha, cap_a, cap_b, nbest)
                     elif greedy:
-                        out = M.greedy_decode(model, src, max_len_a, max_len_b)
+                        out = M.greedy_decode(model, src, cap_a, cap_b)
                     else:
-                        out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, early_stop)
+                        out = M.beam_search(model, src, beam, alpha, cap_a, cap_b, nbest, early_stop)
                 for i, hyps in zip(batch, out):
                     cap = int(max_len_a * len(srcs[i]) + max_len_b)
                     if cap > cfg.max_len - 1 and len(hyps[0][0]) >= cfg.max_len - 2:
@@ -596,11 +608,16 @@ def main(argv=None):
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
     # Before the model loads: an output that cannot be written fails at once.
-    inputs = {'--input': args.input, '--ref': args.ref, '--ckpt': args.ckpt if os.path.isfile(args.ckpt) else None}
+    # What --ckpt reads besides itself: an export's files, or every checkpoint --average-last may average.
+    ckpts = [args.ckpt, *([os.path.join(args.ckpt, f) for f in os.listdir(args.ckpt)] if ct2 else
+                          checkpoints(run_folder(args.ckpt)) if args.average_last else [])]
+    # Standard input resolves to the file the shell opened for `< my.en`, which --output my.en would replace.
+    inputs = [('--input', args.input) if args.input else ('standard input', '/dev/stdin'), ('--ref', args.ref),
+              *(('--ckpt', q) for q in ckpts if os.path.isfile(q))]
     if args.output:
         args.output = output_path('--output', args.output, inputs)
     if args.save_average:
-        args.save_average = output_path('--save-average', args.save_average, {**inputs, '--output': args.output})
+        args.save_average = output_path('--save-average', args.save_average, [*inputs, ('--output', args.output)])
     lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
     refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
     if refs is not None and lines is not None and len(refs) != len(lines):
@@ -610,8 +627,6 @@ def main(argv=None):
         model, enc = load_ct2(args.ckpt, args.device, args.ct2_compute_type)
     elif args.average_last:
         paths = newest_checkpoints(args.ckpt, args.average_last)
-        if args.save_average and args.save_average in map(os.path.realpath, paths):
-            fail(f"--save-average {args.save_average} is one of the checkpoints it averages, which it would overwrite")
         warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
         model, enc, ckpt = load_checkpoint(paths[-1], args.device, average_checkpoints(paths))
         if args.save_average:

@@ -5,6 +5,7 @@ byte-level BPE (rustbpe), encode everything with tiktoken and write flat token f
     python data_prep.py multi30k --src en --tgt de      # -> data/multi30k_en_de  (also --tgt fr)
     python data_prep.py wmt14 --src en --tgt de         # -> data/wmt14_en_de     (also --tgt fr)
     python data_prep.py custom --train PREFIX --valid PREFIX --test PREFIX --src xx --tgt yy --out data/mine
+    python data_prep.py custom ... --tokenizer out/multi30k_en_de/ckpt.pt   # a checkpoint's BPE, to fine-tune it
 
 Cleaning touches the training pairs only (valid and test are never filtered). It is Moses' clean-corpus-n.perl
 applied to the BPE tokens, as fairseq's WMT14 recipe does (clean-corpus-n.perl -ratio 1.5 ... 1 250 on the BPE'd
@@ -308,6 +309,25 @@ def train_tokenizer(texts, vocab_size, name):
             'special_tokens': {s: len(ranks) + i for i, s in enumerate(SPECIALS)}}
 
 
+def given_tokenizer(source):
+    """--tokenizer: the tokenizer dict of a tokenizer.json, a prepared data folder or a train.py checkpoint,
+    instead of a BPE learned anew: data to fine-tune a checkpoint on must be encoded with its own ids."""
+    try:
+        if os.path.isdir(source) or source.endswith('.json'):
+            tok = tokenizer_dict(source) if os.path.isdir(source) else read_json(source)
+        else:
+            import translate  # torch, for a checkpoint only
+            tok = translate.checkpoint_tokenizer(source, translate.read_checkpoint(source, keys=('tokenizer',)))
+            if not isinstance(tok, dict):
+                tok = tokenizer_dict(tok) if os.path.isdir(tok) else read_json(tok)
+        load_tokenizer(tok)
+        if not set(SPECIALS) <= set(tok['special_tokens']):
+            raise ValueError(f"no {', '.join(SPECIALS)} among its special tokens")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        sys.exit(f'error: --tokenizer {source}: not a tokenizer of data_prep.py ({type(e).__name__}: {e})')
+    return tok
+
+
 def same_tokenizer(a, b):
     # The name is a label (the data folder's); the pattern, merges and special tokens are the tokenizer.
     return {k: v for k, v in a.items() if k != 'name'} == {k: v for k, v in b.items() if k != 'name'}
@@ -577,7 +597,9 @@ def prepare(args):
         sys.exit(f'error: no {args.corpus} files for {args.src}-{args.tgt}; known: {", ".join(CORPORA)}')
     if args.corpus == 'custom' and not (args.train and args.valid and args.test):
         sys.exit('error: custom needs --train, --valid and --test prefixes')
-    vocab_size = DEFAULT_VOCAB[key] if args.vocab_size is None else args.vocab_size
+    given = given_tokenizer(args.tokenizer) if args.tokenizer else None
+    vocab_size = (len(given['ranks']) if given else DEFAULT_VOCAB[key] if args.vocab_size is None else
+                  args.vocab_size)
     if vocab_size < 256:
         sys.exit('error: --vocab-size counts the 256 byte tokens, so it must be at least 256')
     if args.max_len < 0 or not args.max_ratio >= 0 or args.max_ratio == float('inf'):
@@ -593,6 +615,9 @@ def prepare(args):
                 # A file rewritten under its old name is another corpus: its size and time say so.
                 'stamps': [list(x) for x in sorted({(p, os.stat(p).st_size, os.stat(p).st_mtime_ns)
                                                     for fs in files.values() for pair in fs for p, _ in pair})]}
+    if given:  # by content: another tokenizer of the same size is another encoding
+        merges = json.dumps({k: v for k, v in given.items() if k != 'name'}, sort_keys=True)
+        settings['tokenizer'] = hashlib.sha256(merges.encode()).hexdigest()
     meta_path = os.path.join(out, 'meta.json')
     with locked(out, 'writing'):  # from the check of meta.json to writing it: one run at a time
         if os.path.isfile(meta_path) and not args.force:
@@ -621,11 +646,12 @@ def prepare(args):
                 if i % 1_000_000 == 0:
                     print(f'BPE: {i:,} training pairs read, {time.time() - t0:.0f}s', flush=True)
                 yield from (text for text in map(str.strip, pair) if text)
-        tok = train_tokenizer(texts(), vocab_size, name)
+        tok = given or train_tokenizer(texts(), vocab_size, name)
         write_json(os.path.join(out, 'tokenizer.json'), tok)
         enc = load_tokenizer(tok)
         bpe_seconds = time.time() - t0
-        print(f'BPE: {len(tok["ranks"])} tokens (+ {len(SPECIALS)} specials) learned in {bpe_seconds:.1f}s')
+        print(f'BPE: {len(tok["ranks"])} tokens (+ {len(SPECIALS)} specials) '
+              + (f'of --tokenizer {args.tokenizer}' if given else f'learned in {bpe_seconds:.1f}s'))
         if len(tok['ranks']) < vocab_size:
             print(f'warning: the training text holds no more merges: {len(tok["ranks"])} tokens of the {vocab_size} '
                   'asked')
@@ -668,6 +694,8 @@ def main(argv=None):
     p.add_argument('--mirror', metavar='DIR_OR_URL', help='read the same file names from this folder or base URL')
     p.add_argument('--vocab-size', type=int, help='BPE vocabulary incl. the 256 bytes, excl. the 3 specials '
                    '(default 8000 Multi30k and custom, 37000 WMT14 en-de, 32000 en-fr)')
+    p.add_argument('--tokenizer', metavar='PATH', help="encode with this BPE instead of learning one: a checkpoint's "
+                   '(to fine-tune it), a prepared data folder or its tokenizer.json')
     p.add_argument('--out', help='output directory (default data/CORPUS_SRC_TGT)')
     p.add_argument('--max-len', type=int, default=250, help='drop training pairs with a side over this many BPE '
                    'tokens, 0: no limit (default 250, as fairseq\'s WMT14 recipe)')
@@ -680,6 +708,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.src == args.tgt:  # the two sides would be written into one file
         p.error(f'--src and --tgt are both {args.src!r}')
+    if args.tokenizer and args.vocab_size is not None:
+        p.error('--vocab-size is learned with the BPE, not given with --tokenizer (which has its own)')
     if args.corpus != 'custom' and (args.train or args.valid or args.test):  # not quietly the named corpus instead
         p.error(f'--train, --valid and --test are for custom, not {args.corpus}')
     return prepare(args)

@@ -427,6 +427,42 @@ def test_tokenizer_loads_identically_from_dict_json_file_and_directory(tmp_path)
         assert encs[0].encode_ordinary(s) == encs[1].encode_ordinary(s) == encs[2].encode_ordinary(s)
 
 
+def test_a_given_tokenizer_encodes_new_data_with_its_own_ids(tmp_path, capsys):
+    import torch
+    write_custom(tmp_path, {'train': toy_pairs(60, 13), 'valid': toy_pairs(5, 14), 'test': toy_pairs(5, 15)})
+    data_prep.main(custom_args(tmp_path, tmp_path / 'a'))
+    tok = data_prep.tokenizer_dict(str(tmp_path / 'a'))
+    torch.save({'tokenizer': tok, 'step': 2}, tmp_path / 'ckpt.pt')  # the key translate.read_checkpoint needs here
+    mine = toy_pairs(40, 16)  # another corpus: its own BPE would differ
+    write_custom(tmp_path, {'train': mine, 'valid': toy_pairs(5, 17), 'test': toy_pairs(5, 18)})
+    args = [a for a in custom_args(tmp_path, tmp_path / 'b') if a not in ('--vocab-size', '300')]
+    for source in (tmp_path / 'ckpt.pt', tmp_path / 'a', tmp_path / 'a' / 'tokenizer.json'):
+        meta = data_prep.main(args + ['--tokenizer', str(source), '--force'])
+        assert data_prep.same_tokenizer(data_prep.tokenizer_dict(str(tmp_path / 'b')), tok)
+        assert meta['vocab_size'] == data_prep.load_meta(str(tmp_path / 'a'))['vocab_size']
+        assert read_split(tmp_path / 'b', 'valid', 'xx') == [p[0] for p in toy_pairs(5, 17)]
+    capsys.readouterr()
+    data_prep.main(args + ['--tokenizer', str(tmp_path / 'a')])
+    assert 'already prepared' in capsys.readouterr().out
+    data_prep.main(args)  # its own BPE again: not the given one's output kept
+    assert 'already prepared' not in capsys.readouterr().out
+    assert not data_prep.same_tokenizer(data_prep.tokenizer_dict(str(tmp_path / 'b')), tok)
+
+
+def test_a_given_tokenizer_that_is_none_is_a_one_line_error(tmp_path):
+    write_custom(tmp_path, {'train': toy_pairs(20, 13), 'valid': toy_pairs(5, 14), 'test': toy_pairs(5, 15)})
+    args = [a for a in custom_args(tmp_path, tmp_path / 'b') if a not in ('--vocab-size', '300')]
+    (tmp_path / 'other.json').write_text('{"a": 1}')
+    for source in ('missing.json', str(tmp_path / 'other.json'), str(tmp_path / 'train.xx')):
+        res = subprocess.run([sys.executable, 'data_prep.py', *args, '--tokenizer', source], cwd=HERE,
+                             capture_output=True, text=True)
+        assert res.returncode == 1 and 'Traceback' not in res.stderr and source in res.stderr, res.stderr
+    res = subprocess.run([sys.executable, 'data_prep.py', *custom_args(tmp_path, tmp_path / 'b'), '--tokenizer',
+                          str(tmp_path / 'other.json')], cwd=HERE, capture_output=True, text=True)
+    assert res.returncode == 2 and '--vocab-size is learned with the BPE' in res.stderr
+    assert not (tmp_path / 'b' / 'meta.json').exists()
+
+
 def test_batched_encoding_equals_encoding_each_line_alone():
     enc = data_prep.load_tokenizer(data_prep.train_tokenizer(iter(TRICKY * 3), 300, 'toy'))
     for lines in (TRICKY, [s for s in TRICKY if '</s>' not in s], ['a'], []):

@@ -20,8 +20,9 @@ TINY = ['--n_enc_layers=1', '--n_dec_layers=1', '--d_model=32', '--d_ff=64', '--
         '--schedule=inverse_sqrt', '--lr=1e-3', '--warmup=10', '--device=cpu']
 
 
-def toy_corpus(root, seed=0):
-    """A toy parallel corpus (word-for-word substitution, reversed) prepared by data_prep.py."""
+def toy_corpus(root, seed=0, tokenizer=None):
+    """A toy parallel corpus (word-for-word substitution, reversed) prepared by data_prep.py, with a BPE of its
+    own or the given --tokenizer's."""
     rng = random.Random(seed)
     words = [f'w{i}' for i in range(40)]
     for split, n in [('train', 1200), ('valid', 40), ('test', 40)]:
@@ -31,7 +32,8 @@ def toy_corpus(root, seed=0):
     out = root / 'data'
     subprocess.run([sys.executable, 'data_prep.py', 'custom', '--train', str(root / 'train'), '--valid',
                     str(root / 'valid'), '--test', str(root / 'test'), '--src', 'xx', '--tgt', 'yy',
-                    '--vocab-size', '300', '--out', str(out)], cwd=HERE, check=True, capture_output=True)
+                    *(['--tokenizer', str(tokenizer)] if tokenizer else ['--vocab-size', '300']), '--out', str(out)],
+                   cwd=HERE, check=True, capture_output=True)
     return str(out)
 
 
@@ -180,6 +182,12 @@ def test_resume_or_fine_tune_with_another_tokenizer_is_refused(data_dir, other_d
     assert 'another tokenizer' in res.stderr and 'state_0000002.pt' in res.stderr
     res = train(['--max_steps=4', f'--init_from={tmp_path / "a" / "ckpt.pt"}'], tmp_path / 'b', other_data_dir, ok=False)
     assert 'another tokenizer' in res.stderr and 'ckpt.pt' in res.stderr
+
+
+def test_data_prepared_with_the_checkpoints_tokenizer_fine_tunes_it(data_dir, tmp_path):
+    train(['--max_steps=2'], tmp_path / 'a', data_dir)  # the README's fine-tuning recipe, on another corpus
+    mine = toy_corpus(tmp_path, seed=1, tokenizer=tmp_path / 'a' / 'ckpt.pt')
+    train(['--max_steps=1', f'--init_from={tmp_path / "a" / "ckpt.pt"}'], tmp_path / 'b', mine)
 
 
 def test_fine_tune_starts_a_new_run_from_the_checkpoint_weights(data_dir, tmp_path):

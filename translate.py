@@ -188,6 +188,15 @@ def default_lenpen(ckpt):
     return ckpt.get('config', {}).get('bleu_lenpen', 0.6)  # older checkpoints: the paper's
 
 
+def checkpoint_tokenizer(path, ckpt):
+    """The tokenizer of checkpoint `path`: its embedded dict, or the file or data folder it names, taken
+    relative to the checkpoint where not found as is."""
+    tok = ckpt['tokenizer']
+    if isinstance(tok, str) and not os.path.exists(tok):
+        tok = os.path.join(os.path.dirname(path), tok)
+    return tok
+
+
 def load_checkpoint(path, device='cpu', state_dict=None):
     """-> (model in eval mode on device, tiktoken Encoding, checkpoint dict). The tokenizer comes from the
     checkpoint itself (embedded dict, or a path, taken relative to the checkpoint if not found as is).
@@ -197,9 +206,7 @@ def load_checkpoint(path, device='cpu', state_dict=None):
         cfg = M.Config(**ckpt['model_cfg'])
     except TypeError as e:
         fail(f"{path}: model_cfg does not fit model.Config: {e}")
-    tok = ckpt['tokenizer']
-    if isinstance(tok, str) and not os.path.exists(tok):
-        tok = os.path.join(os.path.dirname(path), tok)
+    tok = checkpoint_tokenizer(path, ckpt)
     try:
         enc = data_prep.load_tokenizer(tok)
     except Exception as e:

@@ -174,6 +174,7 @@ def main(argv=None):
     c.add_argument('--pool', type=int, default=2_000_000, help='pseudo-words to draw rare words from')
     c.add_argument('--rare', type=float, default=0.04, help='share of words replaced by pseudo-words')
     c.add_argument('--seed', type=int, default=0)
+    c.add_argument('--force', action='store_true', help='replace corpus files already in --out')
     l = sub.add_parser('loader', help="time train.py's batch plan and batch building")
     l.add_argument('--data', required=True, help='a directory prepared by data_prep.py')
     l.add_argument('--max-tokens', type=int, nargs='+', default=[4096, 25000])
@@ -187,6 +188,11 @@ def main(argv=None):
         p.error(f'--src and --tgt are both {args.src}')
     if args.cmd == 'corpus' and os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f'--out {args.out} is a file: give a folder')
+    if args.cmd == 'corpus' and not args.force:  # a real corpus of those names is not replaced by a synthetic one
+        there = [f'{split}.{lang}.gz' for split in ('train', 'valid', 'test') for lang in (args.src, args.tgt)
+                 if os.path.exists(os.path.join(args.out, f'{split}.{lang}.gz'))]
+        if there:
+            p.error(f"--out {args.out} already holds {', '.join(there)}: --force replaces them")
     if args.cmd == 'loader' and (args.batches < 1 or min(args.max_tokens) < 1):
         p.error('need --batches >= 1 and --max-tokens >= 1')
     if args.cmd == 'checkpoints' and not os.path.isdir(args.dir):

@@ -48,6 +48,19 @@ def test_corpus_is_parallel_wmt_sized_and_reproducible(tmp_path):
     assert src == read(tmp_path / 'b', 'train.en.gz')  # same seed, same corpus
 
 
+def test_corpus_files_in_out_are_replaced_only_with_force(tmp_path, capsys):
+    fake_multi30k(tmp_path / 'm30k')
+    with gzip.open(tmp_path / 'train.en.gz', 'wt') as f:  # a real corpus of the same name
+        f.write('mine\n')
+    args = ['corpus', '--pairs', '100', '--held-out', '10', '--pool', '500', '--multi30k', str(tmp_path / 'm30k'),
+            '--out', str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        scale.main(args)
+    assert e.value.code == 2 and '--force' in capsys.readouterr().err and read(tmp_path, 'train.en.gz') == ['mine']
+    scale.main(args + ['--force'])
+    assert len(read(tmp_path, 'train.en.gz')) == 100
+
+
 def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
     fake_multi30k(tmp_path / 'm30k')
     c = tmp_path / 'c'

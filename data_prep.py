@@ -314,12 +314,10 @@ def given_tokenizer(source):
     instead of a BPE learned anew: data to fine-tune a checkpoint on must be encoded with its own ids."""
     try:
         if os.path.isdir(source) or source.endswith('.json'):
-            tok = tokenizer_dict(source) if os.path.isdir(source) else read_json(source)
+            tok = read_tokenizer(source)
         else:
             import translate  # torch, for a checkpoint only
             tok = translate.checkpoint_tokenizer(source, translate.read_checkpoint(source, keys=('tokenizer',)))
-            if not isinstance(tok, dict):
-                tok = tokenizer_dict(tok) if os.path.isdir(tok) else read_json(tok)
         load_tokenizer(tok)
         if not set(SPECIALS) <= set(tok['special_tokens']):
             raise ValueError(f"no {', '.join(SPECIALS)} among its special tokens")
@@ -346,11 +344,16 @@ def read_json(path):
             raise ValueError(f"{path}: {e}") from None
 
 
+def read_tokenizer(source):
+    """The JSON-able dict of a tokenizer given as one, as a tokenizer.json, or as a prepared data directory."""
+    if isinstance(source, dict):
+        return source
+    return tokenizer_dict(source) if os.path.isdir(source) else read_json(source)
+
+
 def load_tokenizer(path_or_dict):
     """tiktoken.Encoding from a tokenizer dict, a tokenizer.json, or a prepared data directory."""
-    d = path_or_dict
-    if not isinstance(d, dict):
-        d = tokenizer_dict(d) if os.path.isdir(d) else read_json(d)
+    d = read_tokenizer(path_or_dict)
     return tiktoken.Encoding(name=d.get('name', 'data_prep'), pat_str=d['pattern'],
                              mergeable_ranks={base64.b64decode(b): r for b, r in d['ranks']},
                              special_tokens=dict(d['special_tokens']))

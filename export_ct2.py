@@ -33,7 +33,6 @@ from ctranslate2.specs import common_spec
 from ctranslate2.specs import model_spec
 from ctranslate2.specs import transformer_spec
 
-import data_prep
 import translate as T
 
 
@@ -175,10 +174,7 @@ def main(argv=None):
     else:
         paths = [args.ckpt]
         model, _, ckpt = T.load_checkpoint(args.ckpt, 'cpu')
-    tok = ckpt['tokenizer']
-    if not isinstance(tok, dict):  # a path, as load_checkpoint allows (it has just loaded, so it resolves)
-        tok = tok if os.path.exists(tok) else os.path.join(os.path.dirname(paths[-1]), tok)
-        tok = data_prep.tokenizer_dict(tok) if os.path.isdir(tok) else data_prep.read_json(tok)
+    tok = T.checkpoint_tokenizer(paths[-1], ckpt)  # load_checkpoint has just read it: it resolves
     info = {'checkpoints': [os.path.abspath(q) for q in paths], 'step': ckpt.get('step'),
             'lenpen': T.default_lenpen(ckpt)}
     out = export(model, tok, args.out, args.quantization, args.force, info)

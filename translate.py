@@ -189,12 +189,12 @@ def default_lenpen(ckpt):
 
 
 def checkpoint_tokenizer(path, ckpt):
-    """The tokenizer of checkpoint `path`: its embedded dict, or the file or data folder it names, taken
-    relative to the checkpoint where not found as is."""
+    """The tokenizer dict of checkpoint `path`: embedded, or read from the file or data folder it names,
+    taken relative to the checkpoint where not found as is."""
     tok = ckpt['tokenizer']
     if isinstance(tok, str) and not os.path.exists(tok):
         tok = os.path.join(os.path.dirname(path), tok)
-    return tok
+    return data_prep.read_tokenizer(tok)
 
 
 def load_checkpoint(path, device='cpu', state_dict=None):
@@ -206,9 +206,8 @@ def load_checkpoint(path, device='cpu', state_dict=None):
         cfg = M.Config(**ckpt['model_cfg'])
     except TypeError as e:
         fail(f"{path}: model_cfg does not fit model.Config: {e}")
-    tok = checkpoint_tokenizer(path, ckpt)
     try:
-        enc = data_prep.load_tokenizer(tok)
+        enc = data_prep.load_tokenizer(checkpoint_tokenizer(path, ckpt))
     except Exception as e:
         fail(f"{path}: cannot load its tokenizer: {type(e).__name__}: {e}")
     check_tokenizer(path, cfg, enc)

@@ -168,6 +168,13 @@ def main(argv=None):
     p.add_argument('--average-last', type=int, default=0, help="export the average of the newest N ckpt_STEP.pt")
     p.add_argument('--force', action='store_true', help="replace --out if it holds an earlier export")
     args = p.parse_args(argv)
+    try:
+        run(args)
+    except KeyboardInterrupt:  # export() has removed its half-written folder and put any old export back
+        sys.exit('export_ct2.py: interrupted')
+
+
+def run(args):
     if args.average_last:
         paths = T.newest_checkpoints(args.ckpt, args.average_last)
         model, _, ckpt = T.load_checkpoint(paths[-1], 'cpu', T.average_checkpoints(paths))

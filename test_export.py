@@ -103,6 +103,20 @@ def test_an_existing_out_is_refused_without_force_and_replaced_whole_with_it(toy
     assert 'not an export' in str(e.value) and (toy['folder'] / 'ckpt.pt').exists()
 
 
+def test_ctrl_c_is_one_line_and_leaves_the_old_export_as_it_was(toys, tmp_path, monkeypatch):
+    toy = toys[0][True]
+    E.main(['--ckpt', str(toy['folder'] / 'ckpt.pt'), '--out', str(tmp_path / 'ct2')])
+    before = {f: (tmp_path / 'ct2' / f).read_bytes() for f in os.listdir(tmp_path / 'ct2')}
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(E.ctranslate2.specs.TransformerSpec, 'save', interrupted)  # mid-write
+    with pytest.raises(SystemExit) as e:
+        E.main(['--ckpt', str(toy['folder'] / 'ckpt.pt'), '--out', str(tmp_path / 'ct2'), '--force'])
+    assert str(e.value) == 'export_ct2.py: interrupted'
+    assert os.listdir(tmp_path) == ['ct2'] and before == {f: (tmp_path / 'ct2' / f).read_bytes() for f in before}
+
+
 def test_force_is_advised_only_where_it_would_replace_the_out(toys, tmp_path):
     ckpt = str(toys[0][False]['folder'] / 'ckpt.pt')
     (tmp_path / 'run').mkdir()

@@ -291,7 +291,10 @@ def bench_translate(args):
     if os.path.isdir(args.translate):
         sys.exit(f"bench.py: --translate {args.translate} is a folder: give a checkpoint file (ckpt.pt, or one "
                  f"that translate.py --save-average wrote)")
-    if os.path.isfile(args.input) and os.path.getsize(args.input) == 0:
+    for flag, path in (('--input', args.input), ('--ref', args.ref)):  # before the exports, not after them
+        if path and not os.path.isfile(path):
+            sys.exit(f"bench.py: {flag} {path}: no such file")
+    if os.path.getsize(args.input) == 0:
         sys.exit(f"bench.py: {args.input} is empty: nothing to translate")
     tmp = tempfile.TemporaryDirectory()
     own = [] if args.device.startswith('cuda') else ['--dtype', 'float32']  # else translate.py's bf16 on a GPU

@@ -164,6 +164,15 @@ def test_translate_rows_decode_the_same_lines_with_model_py_and_its_exports(toy,
             'same_as_model_py'] == n
 
 
+def test_translate_with_a_missing_input_or_ref_says_so_before_exporting(toy, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, 'run_checked', lambda cmd: pytest.fail(f'ran {cmd[1]}'))
+    for flag in ('--input', '--ref'):
+        files = {'--input': toy['src'], '--ref': toy['src'], flag: str(tmp_path / 'missing.txt')}
+        with pytest.raises(SystemExit) as e:
+            bench.main(['--translate', toy['ckpt'], *[x for kv in files.items() for x in kv]])
+        assert str(e.value) == f'bench.py: {flag} {tmp_path / "missing.txt"}: no such file'
+
+
 def test_translate_of_a_missing_checkpoint_a_folder_or_an_empty_input_is_a_one_line_error(tmp_path):
     src = tmp_path / 'src.txt'
     src.write_text('alpha beta\n')

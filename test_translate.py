@@ -511,10 +511,15 @@ def test_checkpoints_naming_their_tokenizer_file_average(toy, tmp_path):
     (tmp_path / 'tokenizer.json').write_text(json.dumps(ckpt['tokenizer']))
     for step in (1, 2):  # the tokenizer as a path beside the checkpoint, which load_checkpoint reads
         torch.save({**ckpt, 'tokenizer': 'tokenizer.json'}, tmp_path / f'ckpt_{step:07d}.pt')
-    out = tmp_path / 'hyp'
-    T.main(['--ckpt', str(tmp_path), '--average-last', '2', '--input', toy['src'], '--greedy', '--output', str(out)])
-    assert out.read_text().splitlines() == [toy['enc'].decode(own_decode(toy, s, greedy=True)[0][0])
-                                            for s in toy['lines']]
+    out, avg = tmp_path / 'hyp', tmp_path / 'elsewhere' / 'avg.pt'
+    avg.parent.mkdir()
+    T.main(['--ckpt', str(tmp_path), '--average-last', '2', '--input', toy['src'], '--greedy', '--output', str(out),
+            '--save-average', str(avg)])
+    expected = [toy['enc'].decode(own_decode(toy, s, greedy=True)[0][0]) for s in toy['lines']]
+    assert out.read_text().splitlines() == expected
+    # The average, in another folder, carries its tokenizer: the relative path would not resolve there.
+    T.main(['--ckpt', str(avg), '--input', toy['src'], '--greedy', '--output', str(out)])
+    assert out.read_text().splitlines() == expected
 
 
 def test_bad_checkpoints_are_clear_one_line_errors_naming_the_file(toy, tmp_path):

@@ -636,8 +636,10 @@ def main(argv=None):
         warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
         model, enc, ckpt = load_checkpoint(paths[-1], args.device, average_checkpoints(paths))
         if args.save_average:
-            keep = ('model_cfg', 'tokenizer', 'step', 'config', 'data_dir')
+            keep = ('model_cfg', 'step', 'config', 'data_dir')
+            # The tokenizer embedded: a path the checkpoints name may not resolve from the average's folder.
             save_atomic({'model': model.state_dict(), **{k: ckpt[k] for k in keep if k in ckpt},
+                         'tokenizer': checkpoint_tokenizer(paths[-1], ckpt),
                          'averaged': [os.path.basename(q) for q in paths]}, args.save_average)
     else:
         model, enc, ckpt = load_checkpoint(args.ckpt, args.device)

@@ -338,6 +338,18 @@ def test_numbers_given_for_a_text_setting_are_kept_as_text():
     assert config == {'out_dir': '2024', 'dtype': 'float32', 'max_steps': 10}
 
 
+def test_a_config_file_reads_the_settings_so_far_and_may_import(tmp_path):
+    override = load_function('override', sys=sys, os=os, ast=ast, builtins=__import__('builtins'), traceback=None)
+    (tmp_path / 'c.py').write_text('import math\nd_model = 64\nd_ff = 4 * d_model\n'
+                                   'warmup = max(w * 2 for w in [int(math.sqrt(d_model))])\n')
+    config = override({'d_model': 512, 'd_ff': 2048, 'warmup': 4000, 'lr': 1.0}, [str(tmp_path / 'c.py'), '--lr=2'])
+    assert config == {'d_model': 64, 'd_ff': 256, 'warmup': 16, 'lr': 2.0}
+    (tmp_path / 'typo.py').write_text('d_modle = 64\n')
+    with pytest.raises(SystemExit) as e:
+        override({'d_model': 512}, [str(tmp_path / 'typo.py')])
+    assert "unknown setting 'd_modle'" in str(e.value)
+
+
 def test_damaged_training_state_on_resume_is_a_one_line_error(data_dir, tmp_path):
     train(['--max_steps=2', '--save_interval=2'], tmp_path, data_dir)
     (tmp_path / 'state_0000002.pt').write_bytes(b'not a checkpoint')

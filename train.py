@@ -86,8 +86,9 @@ config_keys = [k for k, v in globals().items() if not k.startswith('_') and isin
 
 
 def override(config, args):
-    """nanoGPT's configurator, strict: a config file is executed over the defaults, then each
-    --key=value is parsed as a Python literal; unknown keys and wrong types name the key."""
+    """nanoGPT's configurator, strict: a config file is executed over the settings so far (it may read them,
+    d_ff = 4 * d_model, and import modules), then each --key=value is parsed as a Python literal; unknown
+    keys and wrong types name the key."""
     def check(key, value, where):
         if key not in config:
             sys.exit(f"{where}: unknown setting {key!r}")
@@ -101,10 +102,10 @@ def override(config, args):
         if not arg.startswith('--'):
             if not os.path.exists(arg):
                 sys.exit(f"config file {arg} not found")
-            scope = {}
+            scope = dict(config)  # one namespace: its comprehensions and lambdas see its names too
             try:
                 with open(arg, encoding='utf-8') as f:
-                    exec(builtins.compile(f.read(), arg, 'exec'), {}, scope)  # compile: also a setting here
+                    exec(builtins.compile(f.read(), arg, 'exec'), scope)  # compile: also a setting here
             except OSError as e:
                 sys.exit(f"config file {arg}: {e.strerror}")
             except Exception as e:  # the file's own mistake: its line, not a traceback through train.py
@@ -112,8 +113,8 @@ def override(config, args):
                     [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
                 sys.exit(f"config file {arg}{f', line {lines[-1]}' if lines else ''}: {type(e).__name__}: {e}")
             for key, value in scope.items():
-                if not key.startswith('_'):
-                    check(key, value, arg)
+                if not key.startswith('_') and not callable(value) and not isinstance(value, type(sys)):
+                    check(key, value, arg)  # any name but its imports and functions must be a setting
         else:
             key, eq, raw = arg[2:].partition('=')
             if not eq:

@@ -137,8 +137,9 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
     for ax, (title, which, key) in zip(axes, PANELS):
         for i, (log, label) in enumerate(zip(logs, labels)):
             pts = [(r[x], r[key]) for r in log[which] if key in r]
-            if pts:  # evaluations are few: markers show where they were taken
-                ax.plot(*zip(*pts), color=f'C{i}', label=label, marker='o' if which else None, markersize=3)
+            if pts:  # evaluations are few: markers show where they were taken; so does a lone point, no line
+                ax.plot(*zip(*pts), color=f'C{i}', label=label, marker='o' if which or len(pts) == 1 else None,
+                        markersize=3)
         if not ax.lines:
             ax.text(0.5, 0.5, 'not in the log', ha='center', va='center', transform=ax.transAxes, color='gray')
         ax.set_title(title)

@@ -155,6 +155,19 @@ def test_legend_has_an_entry_per_run_even_of_one_folder_name(tmp_path, monkeypat
     assert len({h.get_color() for h in legend.legend_handles}) == 2
 
 
+def test_a_run_with_one_training_record_is_drawn(tmp_path, monkeypatch):
+    # A run shorter than log_interval logs only its last step: one point, which a line without a marker
+    # leaves invisible (and the panel did not say 'not in the log' either).
+    plt = pytest.importorskip('matplotlib.pyplot')
+    run = write_log(tmp_path / 'r', [train_record(5, 0.2), dict(step=5, valid_loss=7.0, valid_ppl=50.0, valid_bleu=0.0)])
+    figs = []
+    monkeypatch.setattr(plt, 'close', figs.append)
+    plot.main(['curves', run, '-o', str(tmp_path / 'c.png'), '--no-show'])
+    for ax in figs[0].axes[:5]:
+        (line,) = ax.lines
+        assert line.get_marker() not in (None, 'None', '', ' ')
+
+
 def test_eval_minutes_are_interpolated_and_resumes_continue_the_clock(tmp_path):
     run = write_log(tmp_path / 'r', [train_record(10, 1.0), train_record(20, 2.0), dict(step=15, valid_loss=6.0),
                                      train_record(30, 3.0), train_record(40, 4.0),

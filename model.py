@@ -118,8 +118,12 @@ class MultiHeadAttention(nn.Module):
                     order = cache.pop('order', None)  # reorder_cache's, applied here in the same copy
                     k, v = extend(cache['k'], k, order), extend(cache['v'], v, order)
                 cache['k'], cache['v'] = k, v
-                # A single new query may see every cached key; SDPA's is_causal would align the
-                # mask top-left and hide them, so causality comes from the cache itself.
+                # SDPA's is_causal aligns its mask top-left, which would hide the cached keys from the new
+                # queries: a single new query may see every key, and several need the mask aligned bottom-right.
+                if causal and q.size(2) > 1 and k.size(2) > q.size(2):
+                    T, S = q.size(2), k.size(2)
+                    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+                    causal = False
                 causal = causal and q.size(2) > 1
         if self.keep_weights:  # softmax(QK^T / sqrt(d_k)) V written out, masked as SDPA masks
             s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))

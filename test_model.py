@@ -365,3 +365,20 @@ def test_dropout_keeps_each_element_with_1_minus_p_and_rescales():
     assert drop.eval()(x) is x
     assert drop.train()(x.detach().bfloat16()).dtype == torch.bfloat16
 
+
+
+@pytest.mark.parametrize('keep_weights', [False, True])
+def test_cache_takes_several_new_positions_at_once(keep_weights):
+    # decode's cache holds earlier positions and tgt the new ones: a prefix of 4, then 3 more in one call.
+    m = tiny(pre_norm=True)
+    for mod in m.modules():
+        if isinstance(mod, M.MultiHeadAttention):
+            mod.keep_weights = keep_weights
+    src = pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]])
+    tgt = torch.randint(3, 24, (2, 9))
+    full = m(src, tgt)
+    memory, src_mask = m.encode(src)
+    cache = m.new_cache()
+    torch.testing.assert_close(m.decode(tgt[:, :4], memory, src_mask, cache), full[:, :4], atol=1e-5, rtol=0)
+    torch.testing.assert_close(m.decode(tgt[:, 4:7], memory, src_mask, cache), full[:, 4:7], atol=1e-5, rtol=0)
+    torch.testing.assert_close(m.decode(tgt[:, 7:], memory, src_mask, cache), full[:, 7:], atol=1e-5, rtol=0)

@@ -382,3 +382,13 @@ def test_cache_takes_several_new_positions_at_once(keep_weights):
     torch.testing.assert_close(m.decode(tgt[:, :4], memory, src_mask, cache), full[:, :4], atol=1e-5, rtol=0)
     torch.testing.assert_close(m.decode(tgt[:, 4:7], memory, src_mask, cache), full[:, 4:7], atol=1e-5, rtol=0)
     torch.testing.assert_close(m.decode(tgt[:, 7:], memory, src_mask, cache), full[:, 7:], atol=1e-5, rtol=0)
+
+
+def test_length_cap_is_int_of_a_times_source_plus_b():
+    m = M.Transformer(M.Config(vocab_size=8, n_enc_layers=0, n_dec_layers=0, d_model=8, d_ff=8, n_heads=1,
+                               max_len=4096))
+    lengths = torch.arange(1, 1001)
+    src = (torch.arange(1000)[None, :] < lengths[:, None]).long() * EOS  # row i: i + 1 tokens, then PAD
+    for a, b in [(0.7, 0), (1.3, 0), (1.3, 50), (1.0, 50), (2.6, 7)]:
+        assert M.max_lengths(m, src, a, b).tolist() == [max(1, int(a * n + b)) for n in lengths.tolist()]
+    assert M.max_lengths(m, src[:1], 1e30, 0).item() == 4095

@@ -55,7 +55,7 @@ def sinusoidal_positions(max_len, d_model):
     inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     pe = torch.zeros(max_len, d_model, dtype=torch.float64)
     pe[:, 0::2] = torch.sin(pos * inv_freq)
-    pe[:, 1::2] = torch.cos(pos * inv_freq)
+    pe[:, 1::2] = torch.cos(pos * inv_freq[:d_model // 2])  # an odd d_model ends on a sine
     return pe.float()
 
 

@@ -110,6 +110,16 @@ def test_positional_encoding_matches_formula():
         assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_positional_encoding_matches_formula_for_odd_d_model():
+    # d_model = 15 with 3 heads is a valid Config; the table has 8 sines and 7 cosines.
+    pe = M.sinusoidal_positions(20, 15)
+    for pos, i in [(0, 0), (3, 2), (19, 7)]:
+        angle = pos / 10000 ** (2 * i / 15)
+        assert pe[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+        if 2 * i + 1 < 15:
+            assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
 def test_three_embeddings_are_one_tensor():
     m = tiny()
     tensors = [p for n, p in m.named_parameters() if p.shape == m.embed.weight.shape]

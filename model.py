@@ -55,7 +55,7 @@ def sinusoidal_positions(max_len, d_model):
     inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
     pe = torch.zeros(max_len, d_model, dtype=torch.float64)
     pe[:, 0::2] = torch.sin(pos * inv_freq)
-    pe[:, 1::2] = torch.cos(pos * inv_freq)
+    pe[:, 1::2] = torch.cos(pos * inv_freq[:d_model // 2])  # an odd d_model ends on a sine
     return pe.float()
 
 
@@ -118,8 +118,12 @@ class MultiHeadAttention(nn.Module):
                     order = cache.pop('order', None)  # reorder_cache's, applied here in the same copy
                     k, v = extend(cache['k'], k, order), extend(cache['v'], v, order)
                 cache['k'], cache['v'] = k, v
-                # A single new query may see every cached key; SDPA's is_causal would align the
-                # mask top-left and hide them, so causality comes from the cache itself.
+                # SDPA's is_causal aligns its mask top-left, which would hide the cached keys from the new
+                # queries: a single new query may see every key, and several need the mask aligned bottom-right.
+                if causal and q.size(2) > 1 and k.size(2) > q.size(2):
+                    T, S = q.size(2), k.size(2)
+                    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+                    causal = False
                 causal = causal and q.size(2) > 1
         if self.keep_weights:  # softmax(QK^T / sqrt(d_k)) V written out, masked as SDPA masks
             s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
@@ -318,7 +322,9 @@ def length_penalty(length, alpha):
 
 def max_lengths(model, src, max_len_a, max_len_b):
     src_len = (src != model.cfg.pad_id).sum(1)
-    return (max_len_a * src_len + max_len_b).long().clamp(1, model.cfg.max_len - 1)
+    # float64, as int(a * |src| + b) in Python (fairseq, translate.py): float32 lost 1 for some, e.g. 1.3 * 90.
+    # Clamped before the cast: a cap past int64 must not wrap round.
+    return (max_len_a * src_len.double() + max_len_b).clamp(1, model.cfg.max_len - 1).long()
 
 
 def next_log_probs(model, tokens, memory, src_mask, cache):

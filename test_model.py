@@ -110,6 +110,16 @@ def test_positional_encoding_matches_formula():
         assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_positional_encoding_matches_formula_for_odd_d_model():
+    # d_model = 15 with 3 heads is a valid Config; the table has 8 sines and 7 cosines.
+    pe = M.sinusoidal_positions(20, 15)
+    for pos, i in [(0, 0), (3, 2), (19, 7)]:
+        angle = pos / 10000 ** (2 * i / 15)
+        assert pe[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+        if 2 * i + 1 < 15:
+            assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
 def test_three_embeddings_are_one_tensor():
     m = tiny()
     tensors = [p for n, p in m.named_parameters() if p.shape == m.embed.weight.shape]
@@ -365,3 +375,30 @@ def test_dropout_keeps_each_element_with_1_minus_p_and_rescales():
     assert drop.eval()(x) is x
     assert drop.train()(x.detach().bfloat16()).dtype == torch.bfloat16
 
+
+
+@pytest.mark.parametrize('keep_weights', [False, True])
+def test_cache_takes_several_new_positions_at_once(keep_weights):
+    # decode's cache holds earlier positions and tgt the new ones: a prefix of 4, then 3 more in one call.
+    m = tiny(pre_norm=True)
+    for mod in m.modules():
+        if isinstance(mod, M.MultiHeadAttention):
+            mod.keep_weights = keep_weights
+    src = pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]])
+    tgt = torch.randint(3, 24, (2, 9))
+    full = m(src, tgt)
+    memory, src_mask = m.encode(src)
+    cache = m.new_cache()
+    torch.testing.assert_close(m.decode(tgt[:, :4], memory, src_mask, cache), full[:, :4], atol=1e-5, rtol=0)
+    torch.testing.assert_close(m.decode(tgt[:, 4:7], memory, src_mask, cache), full[:, 4:7], atol=1e-5, rtol=0)
+    torch.testing.assert_close(m.decode(tgt[:, 7:], memory, src_mask, cache), full[:, 7:], atol=1e-5, rtol=0)
+
+
+def test_length_cap_is_int_of_a_times_source_plus_b():
+    m = M.Transformer(M.Config(vocab_size=8, n_enc_layers=0, n_dec_layers=0, d_model=8, d_ff=8, n_heads=1,
+                               max_len=4096))
+    lengths = torch.arange(1, 1001)
+    src = (torch.arange(1000)[None, :] < lengths[:, None]).long() * EOS  # row i: i + 1 tokens, then PAD
+    for a, b in [(0.7, 0), (1.3, 0), (1.3, 50), (1.0, 50), (2.6, 7)]:
+        assert M.max_lengths(m, src, a, b).tolist() == [max(1, int(a * n + b)) for n in lengths.tolist()]
+    assert M.max_lengths(m, src[:1], 1e30, 0).item() == 4095

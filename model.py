@@ -324,7 +324,7 @@ def max_lengths(model, src, max_len_a, max_len_b):
     src_len = (src != model.cfg.pad_id).sum(1)
     # float64, as int(a * |src| + b) in Python (fairseq, translate.py): float32 lost 1 for some, e.g. 1.3 * 90.
     # Clamped before the cast: a cap past int64 must not wrap round.
-    return (max_len_a * src_len.double() + max_len_b).clamp(1, model.cfg.max_len - 1).long()
+    return (float(max_len_a) * src_len.double() + float(max_len_b)).clamp(1, model.cfg.max_len - 1).long()
 
 
 def next_log_probs(model, tokens, memory, src_mask, cache):

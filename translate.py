@@ -423,9 +423,6 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
     # table where it must be (model.max_lengths), as fairseq does, rather than cutting the source to leave
     # room for it; a translation that reaches the lowered cap is named below.
     limit = cfg.max_len - 1
-    # Lowered to the table before model.max_lengths lowers them: past int64 it wrapped a cap (a of 1e18, say)
-    # round to 1, an empty translation for every line. Caps are the same for all values that did not overflow.
-    cap_a, cap_b = min(max_len_a, cfg.max_len), min(max_len_b, cfg.max_len)
     lines, srcs = list(lines), {}
     for i, line in enumerate(lines):
         if line.strip():
@@ -457,11 +454,11 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                 # to the caller (who may train the model between two lines).
                 with torch.no_grad(), autocast, packed_weights(model, packs):
                     if isinstance(model, CT2Model):
-                        out = model.decode(src, 1 if greedy else beam, alpha, cap_a, cap_b, nbest)
+                        out = model.decode(src, 1 if greedy else beam, alpha, max_len_a, max_len_b, nbest)
                     elif greedy:
-                        out = M.greedy_decode(model, src, cap_a, cap_b)
+                        out = M.greedy_decode(model, src, max_len_a, max_len_b)
                     else:
-                        out = M.beam_search(model, src, beam, alpha, cap_a, cap_b, nbest, early_stop)
+                        out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, early_stop)
                 for i, hyps in zip(batch, out):
                     cap = int(max_len_a * len(srcs[i]) + max_len_b)
                     if cap > cfg.max_len - 1 and len(hyps[0][0]) >= cfg.max_len - 2:

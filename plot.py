@@ -54,7 +54,7 @@ def figure_path(path):
         os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     except OSError as e:
         fail(f"-o {path}: cannot make the folder {os.path.dirname(path)}: {e.strerror}")
-    return translate.output_path('-o', path, {})
+    return translate.output_path('-o', path, [])
 
 
 def save(fig, plt, path, show):

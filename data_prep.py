@@ -629,7 +629,13 @@ def prepare(args):
             except (OSError, ValueError) as e:
                 print(f'{e}: preparing {out} again')
                 meta = {}
-            if meta.get('settings') == settings:
+            names = ['tokenizer.json'] + [f'{split}.{lang}.{ext}' for split in ('train', 'valid', 'test')
+                                          for lang in (args.src, args.tgt) for ext in ('bin', 'idx', 'txt')
+                                          if split != 'train' or ext != 'txt']
+            gone = [n for n in names if not os.path.isfile(os.path.join(out, n))]
+            if meta.get('settings') == settings and gone:  # else "already prepared" beside a broken folder
+                print(f'{out} lacks {", ".join(gone[:3])}: preparing it again')
+            elif meta.get('settings') == settings:
                 print(f'{out} is already prepared with these settings (--force to redo it)')
                 return meta
         os.makedirs(out, exist_ok=True)

@@ -389,6 +389,16 @@ def test_rerun_with_same_settings_is_skipped_and_other_settings_redo(tmp_path, c
         assert data_prep.main(custom_args(root, root / 'out', '--max-ratio', '0'))['max_ratio'] == 0
         assert 'meta.json' in capsys.readouterr().out
 
+def test_rerun_of_a_prepared_folder_that_lost_a_file_prepares_it_again(tmp_path, capsys):
+    write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    data_prep.main(custom_args(tmp_path, tmp_path / 'out'))
+    os.remove(tmp_path / 'out' / 'valid.yy.idx')
+    capsys.readouterr()
+    data_prep.main(custom_args(tmp_path, tmp_path / 'out'))
+    assert 'lacks valid.yy.idx' in capsys.readouterr().out
+    assert read_split(tmp_path / 'out', 'valid', 'yy') == [p[1] for p in toy_pairs(5, 10)]
+
+
 def test_rerun_after_the_corpus_files_changed_prepares_again(tmp_path, capsys):
     write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
     data_prep.main(custom_args(tmp_path, tmp_path / 'out'))

@@ -153,6 +153,26 @@ def test_fresh_run_into_a_used_out_dir_is_refused_unless_overwrite(data_dir, tmp
     assert not list(tmp_path.glob('*.tmp'))
 
 
+def test_a_run_into_an_out_dir_another_run_is_using_is_refused(data_dir, tmp_path):
+    cmd = [sys.executable, 'train.py'] + TINY + [f'--data_dir={data_dir}', f'--out_dir={tmp_path}']
+    first = subprocess.Popen(cmd + ['--max_steps=100000', '--log_interval=1'], cwd=HERE, stdout=subprocess.PIPE,
+                             text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    try:
+        for line in first.stdout:  # training, so past every check of out_dir
+            if line.startswith('step 1 '):
+                break
+        for args in (['--init_from=resume'], ['--overwrite=True']):
+            res = train(['--max_steps=2'] + args, tmp_path, data_dir, ok=False)
+            assert 'in use by another train.py run' in res.stderr, res.stderr
+    finally:
+        first.kill()
+        first.wait()
+    train(['--max_steps=2', '--overwrite=True', '--save_interval=1'], tmp_path, data_dir)  # the kernel freed it
+    (tmp_path / 'state_0000003.pt.k1l2_ed.tmp').write_bytes(b'half a save')  # a run killed while saving
+    train(['--max_steps=3', '--init_from=resume'], tmp_path, data_dir)
+    assert not list(tmp_path.glob('*.tmp'))
+
+
 def test_overwrite_deletes_the_old_run_only_once_every_input_has_loaded(data_dir, tmp_path):
     train(['--max_steps=2', '--save_interval=1'], tmp_path, data_dir)
     train(['--max_steps=1', '--overwrite=True'], tmp_path, tmp_path / 'typo', ok=False)

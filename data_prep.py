@@ -651,10 +651,14 @@ def prepare(args):
 
         t0 = time.time()
         def texts():  # what BPE learns from, with a progress line per million pairs read
+            i = 0
             for i, pair in enumerate(read_pairs(files['train']), 1):
                 if i % 1_000_000 == 0:
                     print(f'BPE: {i:,} training pairs read, {time.time() - t0:.0f}s', flush=True)
                 yield from (text for text in map(str.strip, pair) if text)
+            # rustbpe reports nothing while it merges, minutes on WMT14: say what it is doing
+            print(f'BPE: {i:,} training pairs read in {time.time() - t0:.0f}s; learning {vocab_size - 256} merges',
+                  flush=True)
         tok = given or train_tokenizer(texts(), vocab_size, name)
         write_json(os.path.join(out, 'tokenizer.json'), tok)
         enc = load_tokenizer(tok)

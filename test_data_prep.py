@@ -378,7 +378,7 @@ def test_rerun_with_same_settings_is_skipped_and_other_settings_redo(tmp_path, c
     write_custom(root, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
     data_prep.main(custom_args(root, root / 'out'))
     stamps = {name: os.stat(root / 'out' / name).st_mtime_ns for name in os.listdir(root / 'out')}
-    assert 'BPE: 50 training pairs read in 0s; learning 44 merges' in capsys.readouterr().out  # rustbpe is quiet
+    assert 'BPE: 50 training pairs read in' in (out := capsys.readouterr().out) and 'learning 44 merges' in out
     data_prep.main(custom_args(root, root / 'out'))
     assert 'already prepared' in capsys.readouterr().out
     assert stamps == {name: os.stat(root / 'out' / name).st_mtime_ns for name in os.listdir(root / 'out')}

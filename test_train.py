@@ -173,6 +173,20 @@ def test_a_run_into_an_out_dir_another_run_is_using_is_refused(data_dir, tmp_pat
     assert not list(tmp_path.glob('*.tmp'))
 
 
+def test_an_out_dir_that_cannot_be_locked_trains_and_keeps_temporary_files(data_dir, tmp_path):
+    # flock failing as on Lustre mounted without it (ENOSYS): train unguarded, and leave a save's temporary files,
+    # which may be another run's
+    code = ('import errno, fcntl, os, runpy, sys\n'
+            'def flock(fd, op): raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))\n'
+            'fcntl.flock, sys.argv = flock, sys.argv[1:]\n'
+            'runpy.run_path(sys.argv[0], run_name="__main__")\n')
+    res = train(['--max_steps=2', '--save_interval=1'], tmp_path, data_dir, launcher=[sys.executable, '-c', code])
+    assert 'cannot be locked' in res.stdout
+    (tmp_path / 'state_0000003.pt.k1l2_ed.tmp').write_bytes(b'half a save')
+    train(['--max_steps=3', '--init_from=resume'], tmp_path, data_dir, launcher=[sys.executable, '-c', code])
+    assert (tmp_path / 'state_0000003.pt.k1l2_ed.tmp').exists()
+
+
 def test_overwrite_deletes_the_old_run_only_once_every_input_has_loaded(data_dir, tmp_path):
     train(['--max_steps=2', '--save_interval=1'], tmp_path, data_dir)
     train(['--max_steps=1', '--overwrite=True'], tmp_path, tmp_path / 'typo', ok=False)

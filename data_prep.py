@@ -556,6 +556,8 @@ def locked(folder, doing):
         except BlockingIOError:
             print(f'another data_prep.py is {doing} {folder}: waiting for it to finish', flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # a filesystem without flock (Lustre mounted noflock: ENOSYS) goes on unguarded
+            print(f'warning: {folder} cannot be locked ({e.strerror}): a second data_prep.py into it is not kept out')
         yield
     finally:
         os.close(fd)

@@ -664,6 +664,18 @@ def test_two_runs_into_one_out_never_mix(tmp_path, monkeypatch):
     assert len(read_split(tmp_path / 'out', 'train', 'xx')) == meta['splits']['train']['pairs']
 
 
+def test_a_folder_that_cannot_be_locked_is_prepared_with_a_warning(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+    monkeypatch.setattr(fcntl, 'flock', no_flock)  # as on Lustre mounted without flock
+    write_custom(tmp_path, {'train': toy_pairs(30, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    assert data_prep.main(custom_args(tmp_path, tmp_path / 'out'))['splits']['train']['pairs'] > 0
+    assert 'cannot be locked' in capsys.readouterr().out
+
+
 def test_only_our_own_leftovers_are_removed_from_out(tmp_path):
     write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
     (tmp_path / 'out').mkdir()

@@ -312,6 +312,9 @@ def train_tokenizer(texts, vocab_size, name):
 def given_tokenizer(source):
     """--tokenizer: the tokenizer dict of a tokenizer.json, a prepared data folder or a train.py checkpoint,
     instead of a BPE learned anew: data to fine-tune a checkpoint on must be encoded with its own ids."""
+    if os.path.isdir(source) and not os.path.exists(os.path.join(source, 'tokenizer.json')):
+        run = os.path.exists(os.path.join(source, 'ckpt.pt'))  # a train.py run's folder, not a data folder
+        sys.exit(f"error: --tokenizer {source}: a folder without tokenizer.json{'; give its ckpt.pt' if run else ''}")
     try:
         if os.path.isdir(source) or source.endswith('.json'):
             tok = read_tokenizer(source)

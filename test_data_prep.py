@@ -467,6 +467,11 @@ def test_a_given_tokenizer_that_is_none_is_a_one_line_error(tmp_path):
         res = subprocess.run([sys.executable, 'data_prep.py', *args, '--tokenizer', source], cwd=HERE,
                              capture_output=True, text=True)
         assert res.returncode == 1 and 'Traceback' not in res.stderr and source in res.stderr, res.stderr
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'ckpt.pt').write_bytes(b'')  # a train.py run's folder: its checkpoint holds the tokenizer
+    with pytest.raises(SystemExit) as e:
+        data_prep.main(args + ['--tokenizer', str(tmp_path / 'run')])
+    assert 'give its ckpt.pt' in str(e.value)
     res = subprocess.run([sys.executable, 'data_prep.py', *custom_args(tmp_path, tmp_path / 'b'), '--tokenizer',
                           str(tmp_path / 'other.json')], cwd=HERE, capture_output=True, text=True)
     assert res.returncode == 2 and '--vocab-size is learned with the BPE' in res.stderr

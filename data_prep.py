@@ -543,27 +543,41 @@ def write_split(out, split, pairs, enc, langs, workers, max_len=0, max_ratio=0, 
     return stats
 
 
+def lock_folder(folder, busy=None):
+    """An exclusive flock on folder, held until the returned descriptor is closed or the process ends (the
+    kernel releases it then, so a killed run leaves no stale lock). Held by another process: print busy and
+    wait for it, or with busy=None raise BlockingIOError. None where there is no flock (Windows; Lustre
+    mounted noflock: ENOSYS): runs into folder are then not kept apart, and a warning says so."""
+    if os.name != 'posix':
+        return None
+    import fcntl
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if busy is None:
+            os.close(fd)
+            raise
+        print(busy, flush=True)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        os.close(fd)
+        print(f'warning: {folder} cannot be locked ({e.strerror}): a second run into it is not kept out')
+        return None
+    return fd
+
+
 @contextlib.contextmanager
 def locked(folder, doing):
     """Keep other data_prep.py runs out of folder until the block ends: a second run into the same folder
     would delete this one's temporary files and rename its own half-written ones into place. It waits here
-    instead. flock, because the kernel releases it when a process is killed, so no stale lock is left."""
-    if os.name != 'posix':  # no flock (Windows): runs are not kept apart
-        yield
-        return
-    import fcntl
-    fd = os.open(folder, os.O_RDONLY)
+    instead."""
+    fd = lock_folder(folder, f'another data_prep.py is {doing} {folder}: waiting for it to finish')
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f'another data_prep.py is {doing} {folder}: waiting for it to finish', flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:  # a filesystem without flock (Lustre mounted noflock: ENOSYS) goes on unguarded
-            print(f'warning: {folder} cannot be locked ({e.strerror}): a second data_prep.py into it is not kept out')
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def write_json(path, obj):

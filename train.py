@@ -208,24 +208,13 @@ autocast = (contextlib.nullcontext() if dtype == 'float32'
 
 # -----------------------------------------------------------------------------------------------
 # out_dir: writable, and either a new run's or the one being resumed, before any work is done
-try:
-    os.makedirs(out_dir, exist_ok=True)
-    probe = os.path.join(out_dir, f'.write_test_{rank}')
-    open(probe, 'w').close()
-    os.remove(probe)
-except OSError as e:
-    sys.exit(f"out_dir {out_dir} cannot be created or written: {e.strerror}")
+data_prep.make_writable(out_dir, 'out_dir')
 out_dir_locked = False
-if master and os.name == 'posix':  # one run in out_dir at a time: a second would mix its checkpoints into it
-    import fcntl
+if master:  # one run in out_dir at a time: a second would mix its checkpoints into it
     try:
-        out_dir_fd = os.open(out_dir, os.O_RDONLY)  # the lock lasts as long as the process; the kernel drops it
-        fcntl.flock(out_dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        out_dir_locked = True
+        out_dir_locked = data_prep.lock_folder(out_dir) is not None  # held until this process ends
     except BlockingIOError:
         sys.exit(f"out_dir {out_dir} is in use by another train.py run: let it end, or train into another --out_dir")
-    except OSError as e:  # a filesystem without flock (Lustre mounted noflock: ENOSYS) trains unguarded
-        log(f"warning: out_dir {out_dir} cannot be locked ({e.strerror}): a second train.py into it is not refused")
 # With the temporary files of a save that a killed run left (translate.save_atomic): --overwrite deletes them too.
 run_files = sorted(f for f in os.listdir(out_dir)
                    if f == 'log.jsonl' or re.fullmatch(r'(ckpt|state)(_\w+)?\.pt(\.\w+\.tmp)?', f))

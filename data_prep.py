@@ -212,7 +212,11 @@ def fetch(url, mirror, download_dir):
     if mirror:
         url = mirror.rstrip('/') + '/' + name
     path = os.path.join(download_dir, name)
-    if not os.path.exists(path):  # a folder of finished downloads may be read-only
+    if os.path.exists(path):  # ours were checked when downloaded; one put there by hand was not
+        problem = file_problem(path, name)
+        if problem:
+            sys.exit(f'error: {path}: {problem}; remove it to download it anew')
+    else:  # a folder of finished downloads may be read-only
         make_writable(download_dir, '--download-dir')  # not 6 failed attempts to open the .part
     with locked(download_dir, 'downloading into'):  # two runs would append to one .part (en-de and en-fr share files)
         return download(url, path)
@@ -315,6 +319,8 @@ def given_tokenizer(source):
     if os.path.isdir(source) and not os.path.exists(os.path.join(source, 'tokenizer.json')):
         run = os.path.exists(os.path.join(source, 'ckpt.pt'))  # a train.py run's folder, not a data folder
         sys.exit(f"error: --tokenizer {source}: a folder without tokenizer.json{'; give its ckpt.pt' if run else ''}")
+    if os.path.isdir(source) and not os.path.exists(os.path.join(source, 'meta.json')):
+        sys.exit(f'error: --tokenizer {source}: a data folder without meta.json, not finished; prepare it again')
     try:
         if os.path.isdir(source) or source.endswith('.json'):
             tok = read_tokenizer(source)
@@ -357,9 +363,15 @@ def read_tokenizer(source):
 def load_tokenizer(path_or_dict):
     """tiktoken.Encoding from a tokenizer dict, a tokenizer.json, or a prepared data directory."""
     d = read_tokenizer(path_or_dict)
+    ranks, specials = {base64.b64decode(b): r for b, r in d['ranks']}, dict(d['special_tokens'])
+    # tiktoken panics (an error no `except Exception` catches) or encodes wrongly on these, so say which.
+    ids = list(ranks.values()) + list(specials.values())
+    if len(ranks) != len(d['ranks']) or len(set(ids)) != len(ids):
+        raise ValueError('a token or an id appears twice among its ranks and special tokens')
+    if any(bytes([i]) not in ranks for i in range(256)):
+        raise ValueError('not every one of the 256 bytes is a token, so some text cannot be encoded')
     return tiktoken.Encoding(name=d.get('name', 'data_prep'), pat_str=d['pattern'],
-                             mergeable_ranks={base64.b64decode(b): r for b, r in d['ranks']},
-                             special_tokens=dict(d['special_tokens']))
+                             mergeable_ranks=ranks, special_tokens=specials)
 
 # -----------------------------------------------------------------------------------------------
 # cleaning and writing
@@ -380,7 +392,9 @@ def load_split(data_dir, split):
         meta = load_meta(data_dir)
         sides = []
         for lang in (meta['src'], meta['tgt']):
-            sides.append(np.memmap(os.path.join(data_dir, f'{split}.{lang}.bin'), dtype=meta['dtype'], mode='r'))
+            path = os.path.join(data_dir, f'{split}.{lang}.bin')  # no bytes: a side of empty lines, not an error
+            sides.append(np.memmap(path, dtype=meta['dtype'], mode='r') if os.path.getsize(path) else
+                         np.zeros(0, meta['dtype']))
             sides.append(np.fromfile(os.path.join(data_dir, f'{split}.{lang}.idx'), dtype=np.int64))
     except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a dtype numpy does not know
         sys.exit(f'error: {data_dir} is incomplete or damaged ({split}: {e}): prepare it again with data_prep.py')
@@ -531,11 +545,17 @@ def write_split(out, split, pairs, enc, langs, workers, max_len=0, max_ratio=0, 
             n = np.concatenate(lengths[i]) if lengths[i] else np.zeros(0, np.int32)
             idx = np.concatenate([[0], np.cumsum(n, dtype=np.int64)]).astype(np.int64)
             files[f'{split}.{lang}.idx'].write(idx.tobytes())
-    except BaseException:
+        finish(files, out)
+    except OSError as e:  # a full disk, most likely: free what this split took, and say so in one line
+        for name, f in files.items():
+            f.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out, name + '.tmp'))
+        sys.exit(f'error: writing {out}: {e.strerror or e}')
+    except BaseException:  # interrupted: the next run removes the .tmp files
         for f in files.values():
             f.close()
         raise
-    finish(files, out)
     dt = time.time() - t0
     print(f'{split}: {stats["raw"]} pairs ({2 * stats["raw"]} lines) read, encoded and written in {dt:.1f}s: '
           f'{2 * stats["raw"] / max(dt, 1e-9):,.0f} lines/s; kept {stats["pairs"]}, '
@@ -581,11 +601,16 @@ def locked(folder, doing):
 
 
 def write_json(path, obj):
-    with open(path + '.tmp', 'w', encoding='utf-8') as f:
-        json.dump(obj, f, ensure_ascii=False, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
+    try:
+        with open(path + '.tmp', 'w', encoding='utf-8') as f:
+            json.dump(obj, f, ensure_ascii=False, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + '.tmp', path)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + '.tmp')
+        sys.exit(f'error: writing {path}: {e.strerror or e}')
 
 # -----------------------------------------------------------------------------------------------
 # main
@@ -622,8 +647,9 @@ def prepare(args):
     given = given_tokenizer(args.tokenizer) if args.tokenizer else None
     vocab_size = (len(given['ranks']) if given else DEFAULT_VOCAB[key] if args.vocab_size is None else
                   args.vocab_size)
-    if vocab_size < 256:
-        sys.exit('error: --vocab-size counts the 256 byte tokens, so it must be at least 256')
+    if not 256 <= vocab_size <= 2 ** 32 - len(SPECIALS):  # token ids are written as uint32 at most
+        sys.exit(f'error: --vocab-size counts the 256 byte tokens, so it must be at least 256 (and at most '
+                 f'{2 ** 32 - len(SPECIALS)})')
     if args.max_len < 0 or not args.max_ratio >= 0 or args.max_ratio == float('inf'):
         sys.exit('error: --max-len and --max-ratio must be at least 0 (0: no limit) and finite')
     args.workers = max(1, args.workers)
@@ -738,6 +764,9 @@ def main(argv=None):
     p.add_argument('--download-dir', default=os.path.join('data', 'downloads'), help='where downloads are kept')
     p.add_argument('--force', action='store_true', help='redo even if OUT is already prepared with these settings')
     args = p.parse_args(argv)
+    for option, code in (('--src', args.src), ('--tgt', args.tgt)):  # part of file names: train.{code}.bin
+        if not code or os.sep in code or (os.altsep and os.altsep in code) or code in ('.', '..'):
+            p.error(f'{option} {code!r} is not a language code')
     if args.src == args.tgt:  # the two sides would be written into one file
         p.error(f'--src and --tgt are both {args.src!r}')
     if args.tokenizer and args.vocab_size is not None:

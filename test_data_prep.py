@@ -289,6 +289,15 @@ def test_download_dir_that_is_a_file_is_a_clear_error_before_any_request(server,
     assert server.log == []
 
 
+def test_a_file_already_in_the_download_dir_is_checked_against_the_table(server, tmp_path):
+    (tmp_path / 'train.en.gz').write_bytes(gzip.compress(b'copied in by hand, not the real Multi30k\n'))
+    with pytest.raises(SystemExit) as e:  # not read as the corpus because it has the name
+        data_prep.main(['multi30k', '--src', 'en', '--tgt', 'de', '--mirror', server.url, '--out', str(tmp_path / 'o'),
+                        '--download-dir', str(tmp_path)])
+    assert str(tmp_path / 'train.en.gz') in str(e.value) and 'expected 568929' in str(e.value)
+    assert server.log == []
+
+
 def test_download_missing_file_is_a_clear_error(server, tmp_path):
     with pytest.raises(SystemExit) as e:
         data_prep.download(server.url + 'nope.tgz', str(tmp_path / 'nope.tgz'))
@@ -478,6 +487,29 @@ def test_a_given_tokenizer_that_is_none_is_a_one_line_error(tmp_path):
     assert not (tmp_path / 'b' / 'meta.json').exists()
 
 
+def test_a_tokenizer_that_cannot_encode_every_text_is_refused(tmp_path):
+    write_custom(tmp_path, {'train': toy_pairs(40, 13), 'valid': toy_pairs(5, 14), 'test': toy_pairs(5, 15)})
+    data_prep.main(custom_args(tmp_path, tmp_path / 'a'))
+    tok = data_prep.tokenizer_dict(str(tmp_path / 'a'))
+    n = len(tok['ranks'])
+    broken = {'a rank given twice': {**tok, 'ranks': tok['ranks'][:-1] + [[tok['ranks'][-1][0], 0]]},
+              'a byte missing': {**tok, 'ranks': [[b, r] for b, r in tok['ranks'] if r != 65]},
+              'a special id that is a rank': {**tok, 'special_tokens': {'<pad>': 0, '<s>': n, '</s>': n + 1}},
+              'two specials on one id': {**tok, 'special_tokens': {'<pad>': n, '<s>': n, '</s>': n + 1}}}
+    args = [a for a in custom_args(tmp_path, tmp_path / 'b') if a not in ('--vocab-size', '300')]
+    for what, d in broken.items():
+        path = tmp_path / f"{what.replace(' ', '_')}.json"
+        path.write_text(json.dumps(d))
+        with pytest.raises(SystemExit) as e:  # tiktoken panics (not an Exception) or encodes wrongly otherwise
+            data_prep.main(args + ['--tokenizer', str(path)])
+        assert str(path) in str(e.value), what
+    os.remove(tmp_path / 'a' / 'meta.json')  # a killed run's folder: its tokenizer.json may not be the finished one
+    with pytest.raises(SystemExit) as e:
+        data_prep.main(args + ['--tokenizer', str(tmp_path / 'a')])
+    assert 'meta.json' in str(e.value)
+    assert not (tmp_path / 'b' / 'meta.json').exists()
+
+
 def test_batched_encoding_equals_encoding_each_line_alone():
     enc = data_prep.load_tokenizer(data_prep.train_tokenizer(iter(TRICKY * 3), 300, 'toy'))
     for lines in (TRICKY, [s for s in TRICKY if '</s>' not in s], ['a'], []):
@@ -559,13 +591,48 @@ def test_cli_errors_are_one_clean_message_not_a_traceback(tmp_path):
 
 def test_out_of_range_settings_are_refused_not_quietly_replaced(tmp_path, capsys):
     write_custom(tmp_path, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
-    for extra, message in [(['--vocab-size', '0'], 'at least 256'), (['--max-len', '-1'], '--max-len'),
+    for extra, message in [(['--vocab-size', '0'], 'at least 256'), (['--vocab-size', str(2 ** 32)], 'at most'),
+                           (['--max-len', '-1'], '--max-len'),
                            (['--max-ratio', '-1'], '--max-ratio'), (['--max-ratio', 'nan'], '--max-ratio')]:
         with pytest.raises(SystemExit) as e:
             data_prep.main(custom_args(tmp_path, tmp_path / 'o', *extra))
         assert message in str(e.value) and not (tmp_path / 'o' / 'meta.json').exists()
     meta = data_prep.main(custom_args(tmp_path, tmp_path / 'o', '--vocab-size', '100000'))  # more than 50 pairs hold
     assert meta['vocab_size'] < 100000 and f"of the 100000 asked" in capsys.readouterr().out
+
+
+def test_language_codes_that_are_not_file_name_parts_are_refused(tmp_path, capsys):
+    write_custom(tmp_path, {'train': toy_pairs(20, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    for tgt in ('x/y', ''):  # a code names the files train.{code}.bin: not a path, not nothing
+        with pytest.raises(SystemExit) as e:
+            data_prep.main(custom_args(tmp_path, tmp_path / 'o', tgt=tgt))
+        assert e.value.code == 2 and f'--tgt {tgt!r}' in capsys.readouterr().err
+    assert not (tmp_path / 'o').exists()
+
+
+def test_a_full_disk_is_a_one_line_error_that_leaves_no_temporary_files(tmp_path, monkeypatch):
+    import errno
+    write_custom(tmp_path, {'train': toy_pairs(30, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)})
+    real, calls = os.fsync, []
+
+    def full(fd):  # the 1st is tokenizer.json's; then the train split's files
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+    monkeypatch.setattr(os, 'fsync', full)
+    with pytest.raises(SystemExit) as e:
+        data_prep.main(custom_args(tmp_path, tmp_path / 'o'))
+    assert str(e.value) == f"error: writing {tmp_path / 'o'}: {os.strerror(errno.ENOSPC)}"
+    assert not [n for n in os.listdir(tmp_path / 'o') if n.endswith('.tmp') or n == 'meta.json']
+
+
+def test_a_split_side_of_empty_lines_loads_as_empty_sentences(tmp_path):
+    write_custom(tmp_path, {'train': toy_pairs(30, 9), 'valid': [(p[0], '') for p in toy_pairs(3, 10)],
+                            'test': toy_pairs(5, 11)})
+    data_prep.main(custom_args(tmp_path, tmp_path / 'o'))  # valid.yy.bin has no bytes: not a damaged folder
+    src, src_idx, tgt, tgt_idx = data_prep.load_split(str(tmp_path / 'o'), 'valid')
+    assert len(src_idx) == len(tgt_idx) == 4 and len(src) > 0 and len(tgt) == 0
 
 
 def test_empty_training_split_after_reading_or_cleaning_is_an_error(tmp_path):

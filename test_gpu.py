@@ -119,3 +119,10 @@ def test_translate_cli_on_cuda_gives_the_cpu_output_in_float32(data_dir, tmp_pat
         assert res.returncode == 0, res.stderr[-2000:]
         lines[device] = res.stdout.splitlines()
     assert len(lines['cuda']) == 40 and lines['cuda'] == lines['cpu']
+
+
+def test_a_bfloat16_run_resumes_in_float16(data_dir, tmp_path):
+    # Its state holds an empty grad-scaler state (bf16 needs none); float16's scaler starts afresh from it.
+    train(['--device=cuda', '--dtype=bfloat16', '--max_steps=2', '--save_interval=2'], tmp_path, data_dir)
+    train(['--device=cuda', '--dtype=float16', '--max_steps=3', '--init_from=resume'], tmp_path, data_dir)
+    assert [r['step'] for r in records(tmp_path, 'loss')] == [1, 2, 3]

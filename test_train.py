@@ -191,7 +191,10 @@ def test_overwrite_deletes_the_old_run_only_once_every_input_has_loaded(data_dir
     train(['--max_steps=2', '--save_interval=1'], tmp_path, data_dir)
     train(['--max_steps=1', '--overwrite=True'], tmp_path, tmp_path / 'typo', ok=False)
     train(['--max_steps=1', '--overwrite=True', '--max_len=5'], tmp_path, data_dir, ok=False)  # a later check
+    train(['--max_steps=1', '--overwrite=True', '--update_freq=100'], tmp_path, data_dir, ok=False)  # fewer batches
     assert len(records(tmp_path, 'loss')) == 2 and os.path.exists(tmp_path / 'ckpt.pt')
+    train(['--max_steps=1', '--update_freq=100'], tmp_path / 'fresh', data_dir, ok=False)
+    assert not os.path.exists(tmp_path / 'fresh' / 'log.jsonl')  # nothing that makes the next try need --overwrite
     # fine-tuning from this out_dir's own checkpoint into it, starting over
     train(['--max_steps=1', '--overwrite=True', f'--init_from={tmp_path / "ckpt.pt"}'], tmp_path, data_dir)
     assert [r['step'] for r in records(tmp_path, 'loss')] == [1]
@@ -280,7 +283,8 @@ def test_incomplete_data_dir_is_a_one_line_error(data_dir, tmp_path):
         assert 'is incomplete or damaged' in res.stderr and name in res.stderr, res.stderr
         os.replace(tmp_path / name, tmp_path / 'data' / name)
     meta = json.loads((tmp_path / 'data' / 'meta.json').read_text())
-    for damage in ([1, 2], {**meta, 'dtype': 'float99'}, {**meta, 'vocab_size': 10}):
+    for damage in ([1, 2], {**meta, 'dtype': 'float99'}, {**meta, 'vocab_size': 10}, {**meta, 'vocab_size': 10 ** 12},
+                   {**meta, 'pad_id': 5000}, {**meta, 'pad_id': '0'}, {**meta, 'eos_id': meta['pad_id']}):
         (tmp_path / 'data' / 'meta.json').write_text(json.dumps(damage))
         res = train(['--max_steps=1'], tmp_path / 'run', tmp_path / 'data', ok=False)
         assert 'is incomplete or damaged' in res.stderr, res.stderr
@@ -378,6 +382,8 @@ def test_a_config_file_reads_the_settings_so_far_and_may_import(tmp_path):
                                    'warmup = max(w * 2 for w in [int(math.sqrt(d_model))])\n')
     config = override({'d_model': 512, 'd_ff': 2048, 'warmup': 4000, 'lr': 1.0}, [str(tmp_path / 'c.py'), '--lr=2'])
     assert config == {'d_model': 64, 'd_ff': 256, 'warmup': 16, 'lr': 2.0}
+    config = override({'d_model': 512, 'd_ff': 2048, 'warmup': 4000, 'lr': 1.0}, ['--d_model=32', str(tmp_path / 'c.py')])
+    assert config['d_model'] == 32 and config['d_ff'] == 256  # a flag wins wherever it stands; the file saw 64
     (tmp_path / 'typo.py').write_text('d_modle = 64\n')
     with pytest.raises(SystemExit) as e:
         override({'d_model': 512}, [str(tmp_path / 'typo.py')])
@@ -529,6 +535,8 @@ def test_cooldown_follows_max_steps_when_the_steps_run_out_first():
     (['--schedule=cosine'], "schedule must be 'noam' or 'inverse_sqrt'"),
     (['--device=cpux'], "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     (['--t_process=0.0'], "unknown setting 't_process'"),
+    (['--seed=-1'], 'seed must be at least 0 and below 2**32'),
+    (['--seed=18446744073709551616'], 'seed must be at least 0 and below 2**32'),
 ])
 def test_bad_settings_give_clear_errors(args, message, tmp_path):
     # an out_dir of its own: the default one may hold a finished run in a working checkout
@@ -589,17 +597,22 @@ def test_resume_writes_the_snapshot_a_run_killed_after_its_state_did_not(data_di
         assert torch.equal(v, state['model'][k]), k
 
 
+def other_training_pairs(folder):
+    """The tokenizer of the run, other training pairs (its validation set's), as data_prep.py would write them."""
+    for ext in ('bin', 'idx'):
+        for lang in ('xx', 'yy'):
+            shutil.copy(folder / f'valid.{lang}.{ext}', folder / f'train.{lang}.{ext}')
+    meta = json.loads((folder / 'meta.json').read_text())
+    (folder / 'meta.json').write_text(json.dumps({**meta, 'splits': {**meta['splits'], 'train': meta['splits']['valid']}}))
+
+
 def test_resume_on_other_training_data_with_the_same_tokenizer_is_refused(data_dir, tmp_path):
     train(['--max_steps=2', '--save_interval=2'], tmp_path / 'run', data_dir)
     shutil.copytree(data_dir, tmp_path / 'copy')
     train(['--max_steps=3', '--init_from=resume'], tmp_path / 'run', tmp_path / 'copy')  # the same data elsewhere
-    other = tmp_path / 'other'  # the tokenizer of the run, other training pairs (its validation set's)
+    other = tmp_path / 'other'
     shutil.copytree(data_dir, other)
-    for ext in ('bin', 'idx'):
-        for lang in ('xx', 'yy'):
-            shutil.copy(other / f'valid.{lang}.{ext}', other / f'train.{lang}.{ext}')
-    meta = json.loads((other / 'meta.json').read_text())
-    (other / 'meta.json').write_text(json.dumps({**meta, 'splits': {**meta['splits'], 'train': meta['splits']['valid']}}))
+    other_training_pairs(other)
     res = train(['--max_steps=4', '--init_from=resume'], tmp_path / 'run', other, ok=False)
     assert f"data_dir='{other}' (the run's: '{tmp_path / 'copy'}', other training pairs)" in res.stderr
 
@@ -607,3 +620,52 @@ def test_resume_on_other_training_data_with_the_same_tokenizer_is_refused(data_d
 def test_fine_tuning_from_a_folder_names_no_option_train_py_lacks(data_dir, tmp_path):
     res = train(['--max_steps=1', f'--init_from={tmp_path}'], tmp_path / 'run', data_dir, ok=False)
     assert 'is a folder' in res.stderr and '--average-last' not in res.stderr and '--init_from=resume' in res.stderr
+
+
+def test_resume_keeps_the_best_checkpoint_unless_a_better_one_comes(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=2', '--bleu_interval=0'], tmp_path, data_dir)
+    best = torch.load(tmp_path / 'ckpt_best.pt', weights_only=False)
+    assert best['valid_bleu'] == records(tmp_path, 'valid_bleu')[-1]['valid_bleu']  # the final average's, after the state
+    torch.save({**best, 'valid_bleu': 100.0}, tmp_path / 'ckpt_best.pt')  # one no later model can beat
+    train(['--max_steps=3', '--bleu_interval=0', '--init_from=resume'], tmp_path, data_dir)
+    assert torch.load(tmp_path / 'ckpt_best.pt', weights_only=False)['step'] == 2
+
+
+def test_resume_on_data_prepared_again_in_the_same_folder_is_refused(data_dir, tmp_path):
+    shutil.copytree(data_dir, tmp_path / 'data')
+    train(['--max_steps=2', '--save_interval=2'], tmp_path / 'run', tmp_path / 'data')
+    other = tmp_path / 'data'  # prepared again in place, e.g. with another --max-len: other training pairs
+    other_training_pairs(other)
+    res = train(['--max_steps=4', '--init_from=resume'], tmp_path / 'run', other, ok=False)
+    assert 'other training pairs' in res.stderr
+
+
+def test_resume_says_which_training_settings_changed(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=2'], tmp_path, data_dir)
+    res = train(['--max_steps=3', '--init_from=resume', '--lr=0.002', '--label_smoothing=0.0'], tmp_path, data_dir)
+    said = next(line for line in res.stdout.splitlines() if line.startswith('settings changed since state_0000002.pt: '))
+    assert 'lr=0.002 (was 0.001)' in said and 'label_smoothing=0.0 (was 0.1)' in said and 'max_steps=3 (was 2)' in said
+
+
+def test_two_process_resume_keeps_the_training_time_already_spent(data_dir, tmp_path):
+    train(['--max_steps=2', '--save_interval=2'], tmp_path, data_dir, nproc=2)
+    state = torch.load(tmp_path / 'state_0000002.pt', weights_only=False)
+    torch.save({**state, 'elapsed': 100.0}, tmp_path / 'state_0000002.pt')
+    train(['--max_steps=3', '--save_interval=1', '--init_from=resume'], tmp_path, data_dir, nproc=2)
+    assert torch.load(tmp_path / 'state_0000003.pt', weights_only=False)['elapsed'] >= 100.0  # not a clock of 0
+
+
+def test_fine_tuning_reads_checkpoints_as_translate_py_does(data_dir, tmp_path):
+    train(['--max_steps=1'], tmp_path / 'a', data_dir)
+    ckpt = torch.load(tmp_path / 'a' / 'ckpt.pt', weights_only=False)
+    torch.save({**ckpt, 'tokenizer': os.path.join(data_dir, 'tokenizer.json')}, tmp_path / 'path_tokenizer.pt')
+    train(['--max_steps=1', f'--init_from={tmp_path / "path_tokenizer.pt"}'], tmp_path / 'b', data_dir)
+    torch.save({**ckpt, 'tokenizer': str(tmp_path / 'gone.json')}, tmp_path / 'lost_tokenizer.pt')
+    res = train(['--max_steps=1', f'--init_from={tmp_path / "lost_tokenizer.pt"}'], tmp_path / 'e', data_dir, ok=False)
+    assert 'lost_tokenizer.pt: cannot read its tokenizer' in res.stderr and 'gone.json' in res.stderr
+    torch.save({**ckpt, 'model_cfg': {**ckpt['model_cfg'], 'rope': True}}, tmp_path / 'odd_cfg.pt')
+    res = train(['--max_steps=1', f'--init_from={tmp_path / "odd_cfg.pt"}'], tmp_path / 'c', data_dir, ok=False)
+    assert 'odd_cfg.pt: model_cfg does not fit model.Config' in res.stderr
+    torch.save({**ckpt, 'model': {k: v for k, v in ckpt['model'].items() if 'ffn' not in k}}, tmp_path / 'part.pt')
+    res = train(['--max_steps=1', f'--init_from={tmp_path / "part.pt"}'], tmp_path / 'd', data_dir, ok=False)
+    assert 'part.pt: weights do not fit its model_cfg' in res.stderr

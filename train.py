@@ -86,9 +86,9 @@ config_keys = [k for k, v in globals().items() if not k.startswith('_') and isin
 
 
 def override(config, args):
-    """nanoGPT's configurator, strict: a config file is executed over the settings so far (it may read them,
-    d_ff = 4 * d_model, and import modules), then each --key=value is parsed as a Python literal; unknown
-    keys and wrong types name the key."""
+    """nanoGPT's configurator, strict: each config file is executed over the settings so far (it may read them,
+    d_ff = 4 * d_model, and import modules), then each --key=value is parsed as a Python literal, wherever it
+    stands among the files; unknown keys and wrong types name the key."""
     def check(key, value, where):
         if key not in config:
             sys.exit(f"{where}: unknown setting {key!r}")
@@ -98,7 +98,7 @@ def override(config, args):
         if type(value) is not type(old):
             sys.exit(f"{where}: {key} must be {type(old).__name__}, got {value!r}")
         config[key] = value
-    for arg in args:
+    for arg in sorted(args, key=lambda a: a.startswith('--')):  # the files first, each group in its order
         if not arg.startswith('--'):
             if not os.path.exists(arg):
                 sys.exit(f"config file {arg} not found")
@@ -136,6 +136,8 @@ for key in ('max_tokens', 'update_freq', 'max_steps', 'warmup', 'log_interval', 
             'max_bad_steps'):
     if config[key] < 1:
         sys.exit(f"{key} must be at least 1, got {config[key]}")
+if not 0 <= seed < 2 ** 32:  # numpy's and torch's generators take no other
+    sys.exit(f"seed must be at least 0 and below 2**32, got {seed}")
 if bleu_lenpen < 0:
     sys.exit(f"bleu_lenpen must be at least 0, got {bleu_lenpen}")
 for key in ('dropout', 'attn_dropout', 'label_smoothing', 'beta1', 'beta2'):
@@ -238,8 +240,11 @@ try:  # the token files themselves are checked by load_split
     src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], meta['bos_id'], meta['eos_id']
     tokenizer = data_prep.tokenizer_dict(data_dir)
     enc = data_prep.load_tokenizer(tokenizer)
-    if not isinstance(meta['vocab_size'], int) or meta['vocab_size'] < enc.n_vocab:  # ids past the embedding
-        raise ValueError(f"meta.json: vocab_size {meta['vocab_size']!r} is below the tokenizer's {enc.n_vocab} tokens")
+    if meta['vocab_size'] != enc.n_vocab or type(meta['vocab_size']) is not int:  # the embedding's rows
+        raise ValueError(f"meta.json: vocab_size {meta['vocab_size']!r} is not the tokenizer's {enc.n_vocab} tokens")
+    for key, name in (('pad_id', '<pad>'), ('bos_id', '<s>'), ('eos_id', '</s>')):
+        if meta[key] != tokenizer['special_tokens'].get(name) or type(meta[key]) is not int:
+            raise ValueError(f"meta.json: {key} {meta[key]!r} is not the tokenizer's {name} id")
     valid_src, valid_ref = (open(os.path.join(data_dir, f'valid.{lang}.txt'), encoding='utf-8').read().splitlines()
                             for lang in (src_lang, tgt_lang))
     if len(valid_src) != len(valid_ref):  # else validation BLEU fails at its first call, maybe at the end of the run
@@ -284,7 +289,7 @@ elif init_from != 'scratch':
         sys.exit(f"init_from={init_from!r} is a folder: give a checkpoint file in it (ckpt.pt), or continue the run "
                  f"in out_dir with --init_from=resume")
     init_path, state = init_from, translate.read_checkpoint(init_from)
-if state is not None and not data_prep.same_tokenizer(state['tokenizer'], tokenizer):
+if state is not None and not data_prep.same_tokenizer(translate.checkpoint_tokenizer(init_path, state), tokenizer):
     # Same size is not enough: two BPEs of 8000 merges map the same ids to different words.
     sys.exit(f"{init_path} was trained with another tokenizer than {data_dir}/tokenizer.json: its token ids "
              f"would mean other words; train on data prepared with its tokenizer "
@@ -297,19 +302,25 @@ if init_from == 'resume':  # the saved architecture and optimizer state win: a d
     fixed += ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens']
     changed = [f"{k}={config[k]!r} (the run's: {state['config'][k]!r})" for k in fixed
                if k in state.get('config', {}) and config[k] != state['config'][k]]
-    # The training set makes that plan too: a corpus of the same tokenizer (as a fine-tune's is) would go on from
-    # this one's position. Compared while the run's own data_dir is there; a copy or a moved folder resumes.
+    # The training set makes that plan too: a corpus of the same tokenizer (as a fine-tune's is), or the run's own
+    # folder prepared again, would go on from this one's position. A copy or a moved folder resumes. (States
+    # of older versions lack train_split: their data_dir's meta.json, where it is still there, stands in.)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        if data_prep.load_meta(state['data_dir'])['splits']['train'] != meta['splits']['train']:
+        saved = state.get('train_split') or data_prep.load_meta(state['data_dir'])['splits']['train']
+        if saved != meta['splits']['train']:
             changed.append(f"data_dir={data_dir!r} (the run's: {state['data_dir']!r}, other training pairs)")
     if changed:
         sys.exit(f"init_from='resume' continues {out_dir} as it was trained, but these settings differ from "
                  f"its own: {', '.join(changed)}; drop them, or start a new run from its weights with "
                  f"--init_from={os.path.join(out_dir, 'ckpt.pt')}")
+    others = [f"{k}={v!r} (was {state['config'][k]!r})" for k, v in config.items()
+              if k not in ('init_from', 'overwrite') and k in state.get('config', {}) and v != state['config'][k]]
+    if others:  # allowed (a longer run, another learning rate), but no longer the run as it began
+        log(f"settings changed since {os.path.basename(init_path)}: {', '.join(others)}")
 if state is not None:
     log(f"{'resuming' if init_from == 'resume' else 'fine-tuning'} from {init_path} (step {state.get('step', '?')})")
     # The architecture is the checkpoint's; dropout is a training setting, so a fine-tune may change it.
-    model_cfg = M.Config(**state['model_cfg'])
+    model_cfg = translate.checkpoint_config(init_path, state)
     if init_from != 'resume':
         model_cfg.dropout, model_cfg.attn_dropout = dropout, attn_dropout
     if fine_tuned_from:
@@ -339,24 +350,17 @@ raw_model = M.Transformer(model_cfg).to(device)
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                              weight_decay=weight_decay, fused=True)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
-if init_from != 'resume' and run_files:
-    # --overwrite: the old run goes only now that every input has loaded and the model is built (a typo in
-    # data_dir, a max_len too short, or fine-tuning from this out_dir's own ckpt.pt must not cost it), and
-    # only after every rank has listed it.
-    if ddp:
-        dist.barrier()
-    if master:
-        for f in run_files:
-            os.remove(os.path.join(out_dir, f))
-    if ddp:
-        dist.barrier()
 step, epoch, batch_idx, best_bleu, elapsed = 0, 0, 0, -1.0, 0.0
 if state is not None:
-    raw_model.load_state_dict(state['model'])
+    translate.load_weights(raw_model, init_path, state['model'])
 if init_from == 'resume':
     optimizer.load_state_dict(state['optimizer'])
-    scaler.load_state_dict(state['scaler'])
+    if state['scaler']:  # empty where the run did not train in float16
+        scaler.load_state_dict(state['scaler'])
     step, epoch, best_bleu = state['step'], state['epoch'], state['best_bleu']
+    best_path = os.path.join(out_dir, 'ckpt_best.pt')
+    if os.path.exists(best_path):  # the final evaluation writes it after the run's last state
+        best_bleu = max(best_bleu, translate.read_checkpoint(best_path, keys=()).get('valid_bleu', -1.0))
     # The position in the epoch's batch plan, in batches: a resume with another number of processes or
     # another update_freq continues from the same batch. (Older states counted updates.)
     batch_idx = state['next_batch'] if 'next_batch' in state else \
@@ -370,6 +374,29 @@ if init_from == 'resume':
         log(f"warning: saved with {len(state['rng'])} process(es), resumed with {world}: dropout masks are reseeded")
         torch.manual_seed(seed + rank + 1000003 * step)
 del state
+
+
+def epoch_plan(epoch):  # the same on every rank: the seed and the epoch decide it
+    plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
+    if world * update_freq > len(plan):
+        sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, fewer than the "
+                 f"{world * update_freq} an update needs ({world} process(es) x update_freq {update_freq}): "
+                 f"lower max_tokens")
+    return plan
+
+
+plan = epoch_plan(epoch)
+if init_from != 'resume' and run_files:
+    # --overwrite: the old run goes only now that every input has loaded and the model is built (a typo in
+    # data_dir, a max_len too short, too few batches for an update, or fine-tuning from this out_dir's own ckpt.pt must not cost it), and
+    # only after every rank has listed it.
+    if ddp:
+        dist.barrier()
+    if master:
+        for f in run_files:
+            os.remove(os.path.join(out_dir, f))
+    if ddp:
+        dist.barrier()
 model = torch.compile(raw_model) if compile else raw_model
 # Compiled, the loss reads the (tokens x vocab) logits once forward and once backward instead of in
 # several float32 passes: at 25k tokens and 37k words that is tens of GB per step (README, GPU).
@@ -389,7 +416,8 @@ def get_lr(step, elapsed=0.0):
     return rate
 
 
-pending = None
+# agree's answer before its first all-reduce: no save due, and the training time the run resumed with.
+pending = torch.tensor([0.0, elapsed], device=device) if ddp else None
 
 
 def agree(*values):
@@ -442,16 +470,17 @@ def validation_bleu():
     return translate.bleu([shares[i % world][i // world] for i in range(len(valid_src))], valid_ref).score
 
 
-def save(path, full=False):
+def save(path, full=False, **extra):
     """Weights only (what averaging and translate.py read), or with full=True the whole training state,
     every rank's random generators included; with full=True every rank must call it (it gathers)."""
     ckpt = {'model': raw_model.state_dict(), 'model_cfg': asdict(model_cfg), 'tokenizer': tokenizer,
-            'step': step, 'config': config, 'data_dir': data_dir, 'fine_tuned_from': fine_tuned_from}
+            'step': step, 'config': config, 'data_dir': data_dir, 'fine_tuned_from': fine_tuned_from, **extra}
     if full:
         rng = gather({'cpu': torch.get_rng_state(),
                       'cuda': torch.cuda.get_rng_state() if device_type == 'cuda' else None})
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch,
-                    next_batch=batch_idx, best_bleu=best_bleu, rng=rng, elapsed=clock)
+                    next_batch=batch_idx, best_bleu=best_bleu, rng=rng, elapsed=clock,
+                    train_split=meta['splits']['train'])
     if master:
         translate.save_atomic(ckpt, path)
 
@@ -475,9 +504,18 @@ def evaluate(final=False):  # every rank takes part: each validates its share
         record['valid_bleu'] = validation_bleu()
         if record['valid_bleu'] > best_bleu:
             best_bleu = record['valid_bleu']
-            save(os.path.join(out_dir, 'ckpt_best.pt'))
+            save(os.path.join(out_dir, 'ckpt_best.pt'), valid_bleu=best_bleu)
     log(' | '.join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+    log_record(record)
+
+
+logfile = None
+
+
+def log_record(record):  # log.jsonl opens with the first record: a run stopped before it leaves none behind
+    global logfile
     if master:
+        logfile = logfile or open(os.path.join(out_dir, 'log.jsonl'), 'a')
         logfile.write(json.dumps(record) + '\n')
         logfile.flush()
 
@@ -491,11 +529,9 @@ if init_from == 'resume':  # killed between a state and its snapshot: the averag
 
 # -----------------------------------------------------------------------------------------------
 # training loop
-logfile = open(os.path.join(out_dir, 'log.jsonl'), 'a') if master else None
 log(json.dumps(config, indent=1))
 log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es) x update_freq "
     f"{update_freq} x max_tokens {max_tokens}; device {device}, {dtype}")
-plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
 log(f"{len(plan):,} batches this epoch; ready to train {time.time() - _t_process:.1f}s after start")
 per_update = world * update_freq
 t_last = last_save = time.time()
@@ -511,10 +547,7 @@ if max_minutes > 0 and elapsed > max_minutes * 60:  # resumed after its time ran
 while step < max_steps:
     if batch_idx + per_update > len(plan):  # the epoch's last few batches do not fill an update
         epoch, batch_idx = epoch + 1, 0
-        plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
-        if per_update > len(plan):
-            sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, fewer than the "
-                     f"{per_update} an update needs ({world} process(es) x update_freq {update_freq}): lower max_tokens")
+        plan = epoch_plan(epoch)
     update = plan[batch_idx:batch_idx + per_update]
     # Every rank holds the same plan, so each knows the update's global target-token count without a
     # collective; normalising by it makes N ranks and update_freq N give the same update.
@@ -576,8 +609,7 @@ while step < max_steps:
             log(f"step {step} | epoch {epoch} | loss {loss_tok:.3f} | ppl {ppl:.2f} | lr {lr_now:.2e} | "
                 f"gnorm {grad_norm.item():.2f} | {tokens_since / dt:,.0f} tgt tok/s | "
                 f"{elapsed / 60:.1f} min | ETA {max(eta, 0) / 60:.1f} min", flush=True)
-            logfile.write(json.dumps(record) + '\n')
-            logfile.flush()
+            log_record(record)
         tokens_since = 0
         loss_acc.zero_(), nll_acc.zero_(), worst_streak.zero_(), skipped.zero_()
     if ((eval_interval and step % eval_interval == 0) or (bleu_interval > 0 and step % bleu_interval == 0)) \

@@ -194,7 +194,10 @@ def checkpoint_tokenizer(path, ckpt):
     tok = ckpt['tokenizer']
     if isinstance(tok, str) and not os.path.exists(tok):
         tok = os.path.join(os.path.dirname(path), tok)
-    return data_prep.read_tokenizer(tok)
+    try:
+        return data_prep.read_tokenizer(tok)
+    except (OSError, ValueError) as e:
+        fail(f"{path}: cannot read its tokenizer {tok}: {e}")
 
 
 def load_checkpoint(path, device='cpu', state_dict=None):
@@ -202,21 +205,29 @@ def load_checkpoint(path, device='cpu', state_dict=None):
     checkpoint itself (embedded dict, or a path, taken relative to the checkpoint if not found as is).
     state_dict replaces the checkpoint's weights (averaging)."""
     ckpt = read_checkpoint(path)
-    try:
-        cfg = M.Config(**ckpt['model_cfg'])
-    except TypeError as e:
-        fail(f"{path}: model_cfg does not fit model.Config: {e}")
+    cfg = checkpoint_config(path, ckpt)
     try:
         enc = data_prep.load_tokenizer(checkpoint_tokenizer(path, ckpt))
     except Exception as e:
         fail(f"{path}: cannot load its tokenizer: {type(e).__name__}: {e}")
     check_tokenizer(path, cfg, enc)
-    model = M.Transformer(cfg)
+    model = load_weights(M.Transformer(cfg), path, ckpt['model'] if state_dict is None else state_dict)
+    return model.to(device).eval(), enc, ckpt
+
+
+def checkpoint_config(path, ckpt):  # train.py's fine-tuning reads checkpoints through these two as well
     try:
-        model.load_state_dict(ckpt['model'] if state_dict is None else state_dict)
+        return M.Config(**ckpt['model_cfg'])
+    except TypeError as e:
+        fail(f"{path}: model_cfg does not fit model.Config: {e}")
+
+
+def load_weights(model, path, state_dict):
+    try:
+        model.load_state_dict(state_dict)
     except RuntimeError as e:
         fail(f"{path}: weights do not fit its model_cfg: {' '.join(str(e).split())[:300]}")
-    return model.to(device).eval(), enc, ckpt
+    return model
 
 
 def average_checkpoints(paths):

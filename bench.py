@@ -442,6 +442,8 @@ def parse_args(argv=None):
         p.error('--rounds and --beam must be at least 1')
     if min(args.steps, args.batch_tokens, args.decode_sents) < 1 or (args.warmup or 0) < 0:
         p.error('--steps, --batch-tokens and --decode-sents must be at least 1, --warmup at least 0')
+    if not 1 <= args.decode_len <= M.Config.max_len - 2:  # BOS, the tokens and EOS within the positions
+        p.error(f'--decode-len {args.decode_len}: must be between 1 and {M.Config.max_len - 2}')
     if not re.fullmatch(r'(cpu|cuda)(:\d+)?', args.device):
         p.error(f'--device {args.device}: expected cpu, cuda or cuda:N')
     if args.device.startswith('cuda') and not torch.cuda.is_available():

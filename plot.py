@@ -201,7 +201,7 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
     out = figure_path(out)
     if os.path.isdir(ckpt):  # not translate.py's advice, which names its own --average-last
         fail(f"--ckpt {ckpt} is a folder: give a checkpoint file in it (ckpt.pt)")
-    model, enc, _ = translate.load_checkpoint(ckpt, 'cpu')
+    model, enc, saved = translate.load_checkpoint(ckpt, 'cpu')
     cfg = model.cfg
     n_layers = {'encoder': cfg.n_enc_layers, 'decoder': cfg.n_dec_layers, 'cross': cfg.n_dec_layers}
     heads = list(range(cfg.n_heads)) if heads is None else heads
@@ -218,7 +218,7 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
         fail(f"--src has {len(src_tok)} tokens; {ckpt} allows at most {cfg.max_len - 1}")
     src = torch.tensor([src_tok])
     if tgt_text is None:  # the model's own translation, token for token as it was decoded
-        tgt_tok = M.beam_search(model, src, beam=beam)[0][0][0]
+        tgt_tok = M.beam_search(model, src, beam=beam, alpha=translate.default_lenpen(saved))[0][0][0]  # translate.py's
         tgt_text = enc.decode([t for t in tgt_tok if t < enc.n_vocab])
         print(f"plot.py: translation: {tgt_text}")
     else:

@@ -196,6 +196,7 @@ def test_translate_of_a_missing_checkpoint_a_folder_or_an_empty_input_is_a_one_l
 @pytest.mark.parametrize('argv, named', [(['--steps', '0'], '--steps'), (['--warmup', '-1'], '--warmup'),
                                          (['--batch-tokens', '0'], '--batch-tokens'),
                                          (['--decode-sents', '0'], '--decode-sents'), (['--device', 'foo'], '--device foo'),
+                                         (['--decode-len', '0'], '--decode-len'), (['--decode-len', '1023'], '--decode-len'),
                                          (['--device', 'cuda'], '--device cuda')])
 def test_bad_arguments_are_a_usage_error_naming_the_flag(capsys, argv, named):
     if argv == ['--device', 'cuda'] and torch.cuda.is_available():

@@ -241,6 +241,17 @@ def test_attention_png_is_valid(tmp_path, checkpoint, extra):
     assert_png(out)
 
 
+def test_attention_of_its_own_translation_decodes_as_translate_py(tmp_path, checkpoint, monkeypatch):
+    pytest.importorskip('matplotlib')
+    ckpt = torch.load(checkpoint, weights_only=False)
+    torch.save({**ckpt, 'config': {'bleu_lenpen': 1.2}}, tmp_path / 'ckpt.pt')  # the length penalty it validated with
+    seen, search = [], M.beam_search
+    monkeypatch.setattr(M, 'beam_search', lambda *a, **k: seen.append(k.get('alpha')) or search(*a, **k))
+    plot.main(['attention', '--ckpt', str(tmp_path / 'ckpt.pt'), '--src', 'a man', '--kinds', 'cross', '--heads', '0',
+               '-o', str(tmp_path / 'a.png'), '--no-show'])
+    assert seen == [1.2]
+
+
 @pytest.mark.parametrize('flag, value, named', [('--ckpt', 'nowhere/ckpt.pt', 'nowhere/ckpt.pt'),
                                                 ('--layers', '5', '--layers 5'), ('--heads', '-5', '--heads -5'),
                                                 ('--src', ' ', '--src')])

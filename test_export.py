@@ -70,6 +70,10 @@ def test_float32_export_decodes_as_model_py(toys, pre_norm):
                 assert score[text] == pytest.approx(s, abs=5e-3), text
                 same += 1
     assert same >= len(lines)
+    ours, theirs = both(nbest=2, max_len_a=0, max_len_b=1)  # room for EOS alone: its log-probability is the score
+    assert [[t for _, t in a] for a in theirs] == [[t for _, t in a] for a in ours] == [['']] * len(lines)
+    assert [s for a in theirs for s, _ in a] == pytest.approx([s for a in ours for s, _ in a], abs=5e-3)
+    assert all(s < 0 for a in ours for s, _ in a)
 
 
 def test_int8_export_translates_nearly_as_float32(toys, tmp_path):

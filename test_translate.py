@@ -387,6 +387,18 @@ def test_an_output_is_never_the_file_standard_input_reads(toy, tmp_path):
     assert r.returncode == 0 and src.read_text().count('\n') == 1
 
 
+def test_an_output_stream_that_is_an_input_file_is_refused(toy, tmp_path):
+    src = tmp_path / 'src'
+    src.write_text('alpha beta\n')
+    with open(src) as f:  # `translate.py --output /dev/fd/0 < src`: the shell's file, opened again to write
+        r = run(['--ckpt', toy['ckpt'], '--greedy', '--output', '/dev/fd/0'], stdin=f)
+    assert r.returncode == 1 and b'would overwrite' in r.stderr and src.read_text() == 'alpha beta\n', r.stderr
+    with open(src, 'a') as f:  # `translate.py --input src --output /dev/stdout >> src`
+        r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt'], '--greedy',
+                            '--input', str(src), '--output', '/dev/stdout'], stdout=f, stderr=subprocess.PIPE, env=ENV)
+    assert r.returncode == 1 and b'would overwrite' in r.stderr and src.read_text() == 'alpha beta\n', r.stderr
+
+
 def test_output_to_dev_stdout_appends_to_a_redirected_file_and_writes_to_a_pipe(toy, tmp_path):
     log = tmp_path / 'log.txt'
     log.write_text('KEEP ME\n')
@@ -440,6 +452,27 @@ def test_closed_standard_input_is_a_one_line_error(toy):
     r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt']], capture_output=True,
                        env=ENV, cwd=HERE, timeout=120, stdin=subprocess.DEVNULL, preexec_fn=lambda: os.close(0))
     assert r.returncode == 2 and b'--input' in r.stderr and b'Traceback' not in r.stderr
+
+
+def test_a_checkpoint_with_settings_no_model_has_is_a_one_line_error_naming_it(toy, tmp_path):
+    ckpt = torch.load(toy['ckpt'], weights_only=False)
+    cfg = ckpt['model_cfg']
+    for name, damage in [('heads', {'model_cfg': {**cfg, 'n_heads': 3}}), ('text', {'model_cfg': {**cfg, 'n_heads': 'four'}}),
+                         ('layers', {'model_cfg': {**cfg, 'n_enc_layers': 0}}), ('eos', {'model_cfg': {**cfg, 'eos_id': -1}}),
+                         ('weights', {'model': torch.zeros(3)}),
+                         ('lenpen', {'config': {'bleu_lenpen': '1.2'}}), ('negative', {'config': {'bleu_lenpen': -1.0}})]:
+        path = tmp_path / f'{name}.pt'
+        torch.save({**ckpt, **damage}, path)
+        with pytest.raises(SystemExit) as e:
+            T.main(['--ckpt', str(path), '--input', toy['src'], '--greedy', '--output', str(tmp_path / 'out')])
+        assert str(path) in str(e.value) and '\n' not in str(e.value), name
+    assert not (tmp_path / 'out').exists()
+
+
+def test_closed_standard_output_without_output_is_a_one_line_error(toy):
+    r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt'], '--input', toy['src']],
+                       stderr=subprocess.PIPE, env=ENV, cwd=HERE, timeout=120, preexec_fn=lambda: os.close(1))
+    assert r.returncode == 2 and b'--output' in r.stderr and b'Traceback' not in r.stderr, r.stderr
 
 
 def test_a_full_disk_is_a_one_line_error(toy):

@@ -79,18 +79,21 @@ def output_path(flag, path, others):
     """The file an output flag writes, checked before any work: a symlink's target (the link stays), never a
     folder or another of the run's files (others: (flag, path) pairs), and in a folder where a temporary file
     can be made. A stream (is_stream) is returned as it is, for --output only."""
+    def never_an_input(real):
+        for other, q in others:
+            if q and (os.path.realpath(q) == real or os.path.isfile(real) and os.path.exists(q) and os.path.samefile(q, real)):
+                fail(f"{flag} {path} is also {other} {q}, which it would overwrite")
     if is_stream(path):
         if flag != '--output':
             fail(f"{flag} {path}: a checkpoint is written to a file")
         if not os.path.exists(path):  # /dev/fd/N of a descriptor nobody opened: not opened here (a FIFO would block)
             fail(f"{flag} {path}: No such file or directory")
+        never_an_input(path)  # a stream may be a file the shell opened: `< my.en`, `>> my.en`
         return path
     real = os.path.realpath(path)
     if os.path.isdir(real):
         fail(f"{flag} {path} is a folder")
-    for other, q in others:
-        if q and (os.path.realpath(q) == real or os.path.exists(real) and os.path.exists(q) and os.path.samefile(q, real)):
-            fail(f"{flag} {path} is also {other} {q}, which it would overwrite")
+    never_an_input(real)
     try:  # what is left is a file, or none yet: a temporary one must be possible beside it
         os.remove(temporary(real))
     except OSError as e:
@@ -185,7 +188,8 @@ def packed_weights(model, reuse=None):
 
 def default_lenpen(ckpt):
     # The model's own length penalty: the one its training config validated with (train.py bleu_lenpen).
-    return ckpt.get('config', {}).get('bleu_lenpen', 0.6)  # older checkpoints: the paper's
+    config = ckpt.get('config')
+    return config.get('bleu_lenpen', 0.6) if isinstance(config, dict) else 0.6  # older checkpoints: the paper's
 
 
 def checkpoint_tokenizer(path, ckpt):
@@ -206,6 +210,9 @@ def load_checkpoint(path, device='cpu', state_dict=None):
     state_dict replaces the checkpoint's weights (averaging)."""
     ckpt = read_checkpoint(path)
     cfg = checkpoint_config(path, ckpt)
+    alpha = default_lenpen(ckpt)
+    if type(alpha) not in (int, float) or not 0 <= alpha < math.inf:  # as --lenpen would be refused
+        fail(f"{path}: its config's bleu_lenpen {alpha!r} is not a number of at least 0")
     try:
         enc = data_prep.load_tokenizer(checkpoint_tokenizer(path, ckpt))
     except Exception as e:
@@ -217,15 +224,23 @@ def load_checkpoint(path, device='cpu', state_dict=None):
 
 def checkpoint_config(path, ckpt):  # train.py's fine-tuning reads checkpoints through these two as well
     try:
-        return M.Config(**ckpt['model_cfg'])
+        cfg = M.Config(**ckpt['model_cfg'])
     except TypeError as e:
         fail(f"{path}: model_cfg does not fit model.Config: {e}")
+    sizes = ('vocab_size', 'n_enc_layers', 'n_dec_layers', 'd_model', 'd_ff', 'n_heads', 'max_len')
+    bad = [k for k in sizes if type(getattr(cfg, k)) is not int or getattr(cfg, k) < 1]
+    bad += [k for k in ('pad_id', 'bos_id', 'eos_id') if type(getattr(cfg, k)) is not int
+            or not 0 <= getattr(cfg, k) < (cfg.vocab_size if 'vocab_size' not in bad else math.inf)]
+    if bad or cfg.d_model % cfg.n_heads:  # else a shape error deep in the first decoding step
+        fail(f"{path}: model_cfg {', '.join(f'{k}={getattr(cfg, k)!r}' for k in bad) or f'd_model={cfg.d_model}'} "
+             f"{'is out of range (sizes at least 1, ids below vocab_size)' if bad else f'is not a multiple of n_heads={cfg.n_heads}'}")
+    return cfg
 
 
 def load_weights(model, path, state_dict):
     try:
         model.load_state_dict(state_dict)
-    except RuntimeError as e:
+    except (RuntimeError, TypeError, AttributeError) as e:  # TypeError: not a dict of tensors at all
         fail(f"{path}: weights do not fit its model_cfg: {' '.join(str(e).split())[:300]}")
     return model
 
@@ -355,8 +370,12 @@ class CT2Model:
         limit = M.max_lengths(self, src, max_len_a, max_len_b).tolist()
         # The export appends EOS itself (add_source_eos, as CTranslate2's fairseq converter sets it).
         rows = [[self.tokens[t] for t in row if t != cfg.pad_id][:-1] for row in src.tolist()]
-        out = [[([], 0.0)] for _ in rows]  # a cap of 1 leaves room for EOS alone
+        out = [None] * len(rows)
         todo = [i for i in range(len(rows)) if limit[i] > 1]
+        short = [i for i in range(len(rows)) if limit[i] <= 1]  # a cap of 1 leaves room for EOS alone: score it
+        for i, s in zip(short, self.translator.score_batch([rows[i] for i in short], [[]] * len(short),
+                                                           max_input_length=0) if short else []):
+            out[i] = [([], sum(s.log_probs) / (M.length_penalty(1, alpha) if beam > 1 else 1))]
         if beam == 1 or alpha != 0:
             groups = [todo]
         else:  # without a penalty CTranslate2 stops early, and when it stopped cannot be told: cap by cap
@@ -618,6 +637,8 @@ def main(argv=None):
         p.error(f"--device {args.device}: no GPU available")
     if args.input is None and sys.stdin is None:
         p.error("no --input, and standard input is closed")
+    if args.output is None and sys.stdout is None:
+        p.error("no --output, and standard output is closed")
     interactive = args.input is None and sys.stdin.isatty()
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")

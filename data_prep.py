@@ -319,8 +319,6 @@ def given_tokenizer(source):
     if os.path.isdir(source) and not os.path.exists(os.path.join(source, 'tokenizer.json')):
         run = os.path.exists(os.path.join(source, 'ckpt.pt'))  # a train.py run's folder, not a data folder
         sys.exit(f"error: --tokenizer {source}: a folder without tokenizer.json{'; give its ckpt.pt' if run else ''}")
-    if os.path.isdir(source) and not os.path.exists(os.path.join(source, 'meta.json')):
-        sys.exit(f'error: --tokenizer {source}: a data folder without meta.json, not finished; prepare it again')
     try:
         if os.path.isdir(source) or source.endswith('.json'):
             tok = read_tokenizer(source)
@@ -548,7 +546,8 @@ def write_split(out, split, pairs, enc, langs, workers, max_len=0, max_ratio=0, 
         finish(files, out)
     except OSError as e:  # a full disk, most likely: free what this split took, and say so in one line
         for name, f in files.items():
-            f.close()
+            with contextlib.suppress(OSError):  # its flush fails again; the descriptor is closed all the same
+                f.close()
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name + '.tmp'))
         sys.exit(f'error: writing {out}: {e.strerror or e}')

@@ -535,8 +535,8 @@ def test_cooldown_follows_max_steps_when_the_steps_run_out_first():
     (['--schedule=cosine'], "schedule must be 'noam' or 'inverse_sqrt'"),
     (['--device=cpux'], "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     (['--t_process=0.0'], "unknown setting 't_process'"),
-    (['--seed=-1'], 'seed must be at least 0 and below 2**32'),
-    (['--seed=18446744073709551616'], 'seed must be at least 0 and below 2**32'),
+    (['--seed=-1'], 'seed must be at least 0 and below 2**63'),
+    (['--seed=18446744073709551616'], 'seed must be at least 0 and below 2**63'),
 ])
 def test_bad_settings_give_clear_errors(args, message, tmp_path):
     # an out_dir of its own: the default one may hold a finished run in a working checkout
@@ -626,9 +626,14 @@ def test_resume_keeps_the_best_checkpoint_unless_a_better_one_comes(data_dir, tm
     train(['--max_steps=2', '--save_interval=2', '--bleu_interval=0'], tmp_path, data_dir)
     best = torch.load(tmp_path / 'ckpt_best.pt', weights_only=False)
     assert best['valid_bleu'] == records(tmp_path, 'valid_bleu')[-1]['valid_bleu']  # the final average's, after the state
+    (tmp_path / 'ckpt_best.pt').write_bytes(b'damaged')  # a number to compare with: not worth stopping the run for
+    res = train(['--max_steps=3', '--bleu_interval=0', '--init_from=resume'], tmp_path, data_dir)
+    assert 'cannot read the valid_bleu of' in res.stdout
+    best = torch.load(tmp_path / 'ckpt_best.pt', weights_only=False)
+    assert best['step'] == 3
     torch.save({**best, 'valid_bleu': 100.0}, tmp_path / 'ckpt_best.pt')  # one no later model can beat
-    train(['--max_steps=3', '--bleu_interval=0', '--init_from=resume'], tmp_path, data_dir)
-    assert torch.load(tmp_path / 'ckpt_best.pt', weights_only=False)['step'] == 2
+    train(['--max_steps=4', '--bleu_interval=0', '--init_from=resume'], tmp_path, data_dir)
+    assert torch.load(tmp_path / 'ckpt_best.pt', weights_only=False)['step'] == 3
 
 
 def test_resume_on_data_prepared_again_in_the_same_folder_is_refused(data_dir, tmp_path):
@@ -637,7 +642,7 @@ def test_resume_on_data_prepared_again_in_the_same_folder_is_refused(data_dir, t
     other = tmp_path / 'data'  # prepared again in place, e.g. with another --max-len: other training pairs
     other_training_pairs(other)
     res = train(['--max_steps=4', '--init_from=resume'], tmp_path / 'run', other, ok=False)
-    assert 'other training pairs' in res.stderr
+    assert f'{other} holds other training pairs than {tmp_path / "run"} was trained on' in res.stderr
 
 
 def test_resume_says_which_training_settings_changed(data_dir, tmp_path):

@@ -136,8 +136,8 @@ for key in ('max_tokens', 'update_freq', 'max_steps', 'warmup', 'log_interval', 
             'max_bad_steps'):
     if config[key] < 1:
         sys.exit(f"{key} must be at least 1, got {config[key]}")
-if not 0 <= seed < 2 ** 32:  # numpy's and torch's generators take no other
-    sys.exit(f"seed must be at least 0 and below 2**32, got {seed}")
+if not 0 <= seed < 2 ** 63:  # torch.manual_seed takes below 2**64, with the rank and the step added (resume)
+    sys.exit(f"seed must be at least 0 and below 2**63, got {seed}")
 if bleu_lenpen < 0:
     sys.exit(f"bleu_lenpen must be at least 0, got {bleu_lenpen}")
 for key in ('dropout', 'attn_dropout', 'label_smoothing', 'beta1', 'beta2'):
@@ -307,6 +307,10 @@ if init_from == 'resume':  # the saved architecture and optimizer state win: a d
     # of older versions lack train_split: their data_dir's meta.json, where it is still there, stands in.)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         saved = state.get('train_split') or data_prep.load_meta(state['data_dir'])['splits']['train']
+        if saved != meta['splits']['train'] and os.path.abspath(state['data_dir']) == os.path.abspath(data_dir):
+            sys.exit(f"{data_dir} holds other training pairs than {out_dir} was trained on ({saved} then, "
+                     f"{meta['splits']['train']} now: prepared again?); resume on the data it began with, or start "
+                     f"a new run from its weights with --init_from={os.path.join(out_dir, 'ckpt.pt')}")
         if saved != meta['splits']['train']:
             changed.append(f"data_dir={data_dir!r} (the run's: {state['data_dir']!r}, other training pairs)")
     if changed:
@@ -314,7 +318,8 @@ if init_from == 'resume':  # the saved architecture and optimizer state win: a d
                  f"its own: {', '.join(changed)}; drop them, or start a new run from its weights with "
                  f"--init_from={os.path.join(out_dir, 'ckpt.pt')}")
     others = [f"{k}={v!r} (was {state['config'][k]!r})" for k, v in config.items()
-              if k not in ('init_from', 'overwrite') and k in state.get('config', {}) and v != state['config'][k]]
+              if k not in ('init_from', 'overwrite', *(f.name for f in fields(M.Config)))  # those: refused or said below
+              and k in state.get('config', {}) and v != state['config'][k]]
     if others:  # allowed (a longer run, another learning rate), but no longer the run as it began
         log(f"settings changed since {os.path.basename(init_path)}: {', '.join(others)}")
 if state is not None:
@@ -358,9 +363,14 @@ if init_from == 'resume':
     if state['scaler']:  # empty where the run did not train in float16
         scaler.load_state_dict(state['scaler'])
     step, epoch, best_bleu = state['step'], state['epoch'], state['best_bleu']
-    best_path = os.path.join(out_dir, 'ckpt_best.pt')
-    if os.path.exists(best_path):  # the final evaluation writes it after the run's last state
-        best_bleu = max(best_bleu, translate.read_checkpoint(best_path, keys=()).get('valid_bleu', -1.0))
+    try:  # the final evaluation writes ckpt_best.pt after the run's last state; mmap: its BLEU, not its weights
+        best = torch.load(os.path.join(out_dir, 'ckpt_best.pt'), map_location='cpu', weights_only=True, mmap=True)
+        best_bleu = max(best_bleu, float(best.get('valid_bleu', -1.0)))
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # a number to compare with, not worth stopping the run for
+        log(f"warning: cannot read the valid_bleu of {os.path.join(out_dir, 'ckpt_best.pt')} "
+            f"({type(e).__name__}); the first validation BLEU above the state's best replaces it")
     # The position in the epoch's batch plan, in batches: a resume with another number of processes or
     # another update_freq continues from the same batch. (Older states counted updates.)
     batch_idx = state['next_batch'] if 'next_batch' in state else \

@@ -200,7 +200,7 @@ def checkpoint_tokenizer(path, ckpt):
         tok = os.path.join(os.path.dirname(path), tok)
     try:
         return data_prep.read_tokenizer(tok)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:  # TypeError: neither a dict nor a path
         fail(f"{path}: cannot read its tokenizer {tok}: {e}")
 
 

@@ -129,9 +129,9 @@ class MultiHeadAttention(nn.Module):
             s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
             if causal:  # top-left aligned, as SDPA's is_causal (which never comes with a mask)
                 mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-            if mask is not None:
+            if mask is not None:  # a query with every key masked gets SDPA's zeros, not softmax's 0/0
                 s = s.masked_fill(~mask, -math.inf)
-            self.weights = s.softmax(-1)
+            self.weights = s.softmax(-1) if mask is None else s.softmax(-1).masked_fill(~mask.any(-1, True), 0.0)
             y = F.dropout(self.weights, self.attn_dropout, self.training) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
@@ -305,9 +305,10 @@ def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
     logp = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)
     target = target.reshape(-1)
     keep = target != pad_id
-    # Masking by multiplication rather than logp[keep]: no copy of the (tokens x vocab) matrix.
+    # Masking the per-token sums rather than logp[keep]: no copy of the (tokens x vocab) matrix; where, not a
+    # product, so that a non-finite logit at a pad target stays out of the loss as nll_loss keeps it out.
     nll = F.nll_loss(logp, target, ignore_index=pad_id, reduction='sum')
-    smooth = -(logp.sum(dim=-1) * keep).sum()  # over all V ids, the target's included ...
+    smooth = -torch.where(keep, logp.sum(dim=-1), 0.0).sum()  # over all V ids, the target's included ...
     eps_i = eps / (V - 1)
     return (1.0 - eps - eps_i) * nll + eps_i * smooth, nll.detach(), keep.sum()  # ... taken back out here
 

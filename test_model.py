@@ -171,6 +171,27 @@ def test_label_smoothing_gives_eps_over_the_other_classes_and_ignores_pad():
                                                     reduction='sum'))
 
 
+def test_a_non_finite_logit_at_a_pad_target_leaves_the_loss_alone():
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 4, 9), torch.randint(3, 9, (2, 4))
+    target[1, 2:] = PAD
+    want = M.label_smoothed_loss(logits, target, pad_id=PAD)
+    logits[1, 2:] = float('nan')  # e.g. attention over a source that is all padding
+    got = M.label_smoothed_loss(logits, target, pad_id=PAD)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_explicit_attention_weights_over_only_padding_are_sdpas_zeros():
+    attn = M.MultiHeadAttention(M.Config(d_model=16, n_heads=4, dropout=0.0)).eval()
+    x, mask = torch.randn(2, 3, 16), torch.tensor([[True, True, False], [False, False, False]])[:, None, None, :]
+    with torch.no_grad():
+        fast = attn(x, mask=mask)
+        attn.keep_weights = True
+        explicit = attn(x, mask=mask)
+    torch.testing.assert_close(explicit, fast)
+
+
 def test_init_is_xavier_per_matrix_of_the_paper():
     # Q, K and V each Xavier as their own d x d matrix; the FFN and output projections plain Xavier.
     torch.manual_seed(0)

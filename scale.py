@@ -18,6 +18,7 @@ import dataclasses
 import gzip
 import os
 import resource
+import sys
 import tempfile
 import time
 
@@ -42,11 +43,11 @@ def pseudo_words(n, rng):
     return [words[i] for i in rng.permutation(len(words))]
 
 
-def make_pairs(src_lines, tgt_lines, n, rng, pool=2_000_000, rare=0.04, zipf=1.1):
-    """Yield n (src, tgt) lines built from the given parallel sentences as the module docstring says."""
-    words = pseudo_words(pool, rng) if rare > 0 else []
-    src_words = [s.split() for s in src_lines]
-    tgt_words = [t.split() for t in tgt_lines]
+def make_pairs(src_lines, tgt_lines, n, rng, words=(), rare=0.04, zipf=1.1):
+    """Yield n (src, tgt) lines built from the given parallel sentences as the module docstring says, with
+    the share `rare` of words drawn from the pseudo-words `words` (one pool for all splits, as one language)."""
+    pairs = [(s.split(), t.split()) for s, t in zip(src_lines, tgt_lines)]
+    src_words, tgt_words = zip(*[(s, t) for s, t in pairs if s and t])  # a word replaced needs one on each side
     order = rng.permutation(len(src_words))
     pos, chunk = 0, 100_000
     for start in range(0, n, chunk):
@@ -89,13 +90,18 @@ def corpus(args):
     read = lambda name, lang: list(data_prep.read_lines(os.path.join(args.multi30k, f'{name}.{lang}.gz')))
     train = [read('train', lang) for lang in langs]
     held_out = [read('val', lang) for lang in langs]
+    for name, (src, tgt) in (('train', train), ('val', held_out)):
+        if len(src) != len(tgt) or not any(s.split() and t.split() for s, t in zip(src, tgt)):
+            sys.exit(f"error: {os.path.join(args.multi30k, f'{name}.{args.src}.gz')} has {len(src)} lines and "
+                     f"{name}.{args.tgt}.gz {len(tgt)}: a parallel corpus needs as many, not all empty")
+    data_prep.make_writable(args.out, '--out')
     rng = np.random.default_rng(args.seed)
-    os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
-    write_corpus(args.out, train, 'train', langs, args.pairs, rng, pool=args.pool, rare=args.rare)
+    words = pseudo_words(args.pool, rng) if args.rare > 0 else []
+    write_corpus(args.out, train, 'train', langs, args.pairs, rng, words=words, rare=args.rare)
     # newstest-sized held-out sets (3000 pairs) from Multi30k's validation sentences
     for split in ('valid', 'test'):
-        write_corpus(args.out, held_out, split, langs, args.held_out, rng, pool=args.pool, rare=args.rare)
+        write_corpus(args.out, held_out, split, langs, args.held_out, rng, words=words, rare=args.rare)
     print(f'wrote {args.out}: {args.pairs:,} training pairs in {time.time() - t0:.0f}s')
 
 
@@ -114,6 +120,12 @@ def loader(args):
         t0 = time.time()
         plan = data_prep.batch_plan(data, max_tokens, seed=1, epoch=0)
         t_plan = time.time() - t0
+        over = int((data_prep.pair_sizes(data) > max_tokens).sum())
+        if not plan:
+            sys.exit(f'error: max_tokens {max_tokens} is below every pair of {args.data}: no batch to build')
+        if over:
+            print(f'max_tokens {max_tokens}: {over:,} pairs over max_tokens {max_tokens} left out, as train.py '
+                  f'leaves them')
         n = min(len(plan), args.batches)
         t0 = time.time()
         for ids in plan[:n]:
@@ -182,12 +194,15 @@ def main(argv=None):
     k = sub.add_parser('checkpoints', help='time writing and averaging base and big checkpoints')
     k.add_argument('--dir', default='.', help='where the temporary checkpoints go')
     args = p.parse_args(argv)
-    if args.cmd == 'corpus' and (args.pairs < 1 or args.held_out < 1 or not 0 <= args.rare < 1):
-        p.error('need --pairs >= 1, --held-out >= 1 and 0 <= --rare < 1')
+    if args.cmd == 'corpus' and (args.pairs < 1 or args.held_out < 1 or not 0 <= args.rare < 1 or args.seed < 0
+                                 or args.pool < 1):
+        p.error('need --pairs >= 1, --held-out >= 1, --pool >= 1, --seed >= 0 and 0 <= --rare < 1')
     if args.cmd == 'corpus' and args.src == args.tgt:  # both sides would be written to one file
         p.error(f'--src and --tgt are both {args.src}')
     if args.cmd == 'corpus' and os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f'--out {args.out} is a file: give a folder')
+    if args.cmd == 'corpus' and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        p.error(f'--out {args.out}: its parent is not a folder')
     if args.cmd == 'corpus' and not args.force:  # a real corpus of those names is not replaced by a synthetic one
         there = [f'{split}.{lang}.gz' for split in ('train', 'valid', 'test') for lang in (args.src, args.tgt)
                  if os.path.exists(os.path.join(args.out, f'{split}.{lang}.gz'))]

@@ -46,6 +46,19 @@ def test_corpus_is_parallel_wmt_sized_and_reproducible(tmp_path):
         assert [w for w in s.split() if w in rare] or s.upper() == t
     assert sum(bool(set(s.split()) & set(t.split()) & rare) for s, t in zip(src, tgt)) > 100
     assert src == read(tmp_path / 'b', 'train.en.gz')  # same seed, same corpus
+    held_out_rare = [w for w in ' '.join(read(a, 'valid.en.gz') + read(a, 'test.en.gz')).split() if w not in WORDS]
+    seen = sum(w in rare for w in held_out_rare) / len(held_out_rare)
+    assert seen > 0.5  # one pool: held-out rare words are mostly the training set's, as newstest's are WMT's
+
+
+def test_a_multi30k_folder_whose_sides_differ_is_a_one_line_error(tmp_path):
+    fake_multi30k(tmp_path / 'm30k')
+    with gzip.open(tmp_path / 'm30k' / 'train.de.gz', 'wt') as f:
+        f.write('one line\n')
+    with pytest.raises(SystemExit) as e:
+        scale.main(['corpus', '--pairs', '100', '--pool', '50', '--multi30k', str(tmp_path / 'm30k'),
+                    '--out', str(tmp_path / 'c')])
+    assert 'train.de.gz' in str(e.value) and '300' in str(e.value) and '\n' not in str(e.value)
 
 
 def test_corpus_files_in_out_are_replaced_only_with_force(tmp_path, capsys):
@@ -71,11 +84,19 @@ def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
     scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '512', '4096', '--batches', '20'])
     out = capsys.readouterr().out
     assert 'max_tokens 512: batch_plan' in out and 'max_tokens 4096: batch_plan' in out
+    scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '40', '--batches', '20'])
+    assert 'pairs over max_tokens 40 left out, as train.py leaves them' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:  # not a division by the zero batches built
+        scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '1'])
+    assert 'max_tokens 1' in str(e.value)
 
 
 @pytest.mark.parametrize('argv, named', [
     (['corpus', '--pairs', '10', '--out', 'a_file'], '--out a_file'),
     (['corpus', '--pairs', '10', '--out', 'c', '--src', 'en', '--tgt', 'en'], '--src and --tgt'),
+    (['corpus', '--pairs', '10', '--out', 'c', '--seed', '-1'], '--seed'),
+    (['corpus', '--pairs', '10', '--out', 'c', '--pool', '0'], '--pool'),
+    (['corpus', '--pairs', '10', '--out', 'a_file/c'], '--out a_file/c'),
     (['loader', '--data', 'prep', '--batches', '0'], '--batches'),
     (['loader', '--data', 'prep', '--max-tokens', '0'], '--max-tokens'),
     (['checkpoints', '--dir', 'nowhere'], '--dir nowhere')])

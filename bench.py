@@ -95,7 +95,8 @@ def make_batches(pairs, batch_tokens, cfg, rng, n_batches, device):
     """Token-based batching as in training (data_prep.token_batches: sorted by length, filled while
     sentences x longest side with EOS/BOS stays within batch_tokens), the batches shuffled, n_batches kept."""
     sizes = np.array([max(len(s), len(t)) + 1 for s, t in pairs])
-    groups = data_prep.token_batches(sizes, np.argsort(sizes, kind='stable'), batch_tokens)
+    order = np.argsort(sizes, kind='stable')
+    groups = data_prep.token_batches(sizes, order[sizes[order] <= batch_tokens], batch_tokens)  # as batch_plan
     rng.shuffle(groups)
     return [collate([pairs[i] for i in g], cfg, device) for g in groups[:n_batches]]
 
@@ -442,6 +443,8 @@ def parse_args(argv=None):
         p.error('--rounds and --beam must be at least 1')
     if min(args.steps, args.batch_tokens, args.decode_sents) < 1 or (args.warmup or 0) < 0:
         p.error('--steps, --batch-tokens and --decode-sents must be at least 1, --warmup at least 0')
+    if args.seed < 0:
+        p.error(f'--seed {args.seed}: must be at least 0')
     if not 1 <= args.decode_len <= M.Config.max_len - 2:  # BOS, the tokens and EOS within the positions
         p.error(f'--decode-len {args.decode_len}: must be between 1 and {M.Config.max_len - 2}')
     if not re.fullmatch(r'(cpu|cuda)(:\d+)?', args.device):

@@ -91,6 +91,15 @@ def test_batches_respect_token_budget():
         torch.testing.assert_close(b['tgt_in'][:, 1:], shifted.masked_fill(shifted == cfg.eos_id, cfg.pad_id))
 
 
+def test_a_budget_below_the_longest_pairs_leaves_them_out_as_training_does():
+    cfg = M.Config(**bench.CONFIGS['tiny'])
+    rng = np.random.default_rng(0)
+    pairs = bench.synthetic_pairs(2000, cfg.vocab_size, rng)
+    assert max(max(len(s), len(t)) + 1 for s, t in pairs) > 40
+    for b in bench.make_batches(pairs, 40, cfg, rng, 10 ** 6, 'cpu'):
+        assert b['src'].numel() <= 40 and b['tgt_in'].numel() <= 40
+
+
 def test_recompute_decoding_matches_kv_cache():
     torch.manual_seed(0)
     cfg = M.Config(**bench.CONFIGS['tiny'], dropout=0.0)
@@ -197,6 +206,7 @@ def test_translate_of_a_missing_checkpoint_a_folder_or_an_empty_input_is_a_one_l
                                          (['--batch-tokens', '0'], '--batch-tokens'),
                                          (['--decode-sents', '0'], '--decode-sents'), (['--device', 'foo'], '--device foo'),
                                          (['--decode-len', '0'], '--decode-len'), (['--decode-len', '1023'], '--decode-len'),
+                                         (['--seed', '-1'], '--seed'),
                                          (['--device', 'cuda'], '--device cuda')])
 def test_bad_arguments_are_a_usage_error_naming_the_flag(capsys, argv, named):
     if argv == ['--device', 'cuda'] and torch.cuda.is_available():

@@ -516,6 +516,7 @@ def test_cooldown_follows_max_steps_when_the_steps_run_out_first():
     (['--max_steps'], 'expected --key=value'),
     (['config/none.py'], 'config file config/none.py not found'),
     (['--data_dir=does/not/exist'], 'python data_prep.py'),
+    (['--data_dir=nowhere/wmt14_en_fr'], 'python data_prep.py wmt14 --src en --tgt fr --out nowhere/wmt14_en_fr'),
     (['--update_freq=0'], 'update_freq must be at least 1'),
     (['--warmup=0'], 'warmup must be at least 1'),
     (['--d_model=30', '--n_heads=4'], 'd_model=30 must be a multiple of n_heads=4'),

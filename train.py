@@ -233,8 +233,11 @@ if init_from != 'resume' and run_files:
 # -----------------------------------------------------------------------------------------------
 # data: the token files data_prep.py writes
 if not os.path.exists(os.path.join(data_dir, 'meta.json')):
-    sys.exit(f"no prepared data in {data_dir} (meta.json missing): run e.g. "
-             f"`python data_prep.py multi30k --src en --tgt de --out {data_dir}`")
+    # data_prep.py's own folder names say which corpus (config/wmt_base.py's is data/wmt14_en_de), else custom
+    named = re.fullmatch(r'(multi30k|wmt14)_([a-z]+)_([a-z]+)', os.path.basename(os.path.normpath(data_dir)))
+    how = (f"{named[1]} --src {named[2]} --tgt {named[3]}" if named else
+           "custom --train PREFIX --valid PREFIX --test PREFIX --src SRC --tgt TGT")
+    sys.exit(f"no prepared data in {data_dir} (meta.json missing): run `python data_prep.py {how} --out {data_dir}`")
 try:  # the token files themselves are checked by load_split
     meta = data_prep.load_meta(data_dir)
     src_lang, tgt_lang, PAD, BOS, EOS = meta['src'], meta['tgt'], meta['pad_id'], meta['bos_id'], meta['eos_id']

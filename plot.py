@@ -84,18 +84,23 @@ def read_log(path):
         path = os.path.join(path, 'log.jsonl')
     if not os.path.isfile(path):
         fail(f"{path} not found")
-    records, bad = [], 0
+    records, bad, odd = [], 0, 0
     with open(path, encoding='utf-8', errors='replace') as f:
         for line in f:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
-                bad += line.strip() != ''  # e.g. a last line cut short by a crash
-                continue
-            if isinstance(r, dict) and isinstance(r.get('step'), int):
+                r = None  # e.g. a last line cut short by a crash
+            numbers = isinstance(r, dict) and all(type(r[k]) in (int, float) for k in NUMBERS if k in r)
+            if numbers and type(r.get('step')) is int:
                 records.append(r)
+                odd += sum(not np.isfinite(r[k]) for k in NUMBERS if k in r)  # train.py logs a NaN loss as NaN
+            else:
+                bad += line.strip() != ''
     if bad:
-        print(f"plot.py: warning: {path}: skipped {bad} line(s) that are not JSON", file=sys.stderr)
+        print(f"plot.py: warning: {path}: skipped {bad} line(s) that are not train.py's records", file=sys.stderr)
+    if odd:
+        print(f"plot.py: warning: {path}: {odd} non-finite value(s), not drawn", file=sys.stderr)
     train, evals, offset, last = [], [], 0.0, 0.0
     for r in records:
         if 'loss' in r:
@@ -121,6 +126,7 @@ def read_log(path):
     return train, evals
 
 
+NUMBERS = ('loss', 'lr', 'tok_per_s', 'elapsed_min', 'valid_loss', 'valid_bleu')  # what read_log and the panels use
 PANELS = [  # (title, 0: training or 1: evaluation records, key)
     ('training loss (label-smoothed)', 0, 'loss'), ('validation loss (label-smoothed)', 1, 'valid_loss'),
     ('validation BLEU', 1, 'valid_bleu'), ('learning rate', 0, 'lr'), ('target tokens/s', 0, 'tok_per_s')]
@@ -130,16 +136,20 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
     plt = pyplot(show)
     out = figure_path(out)
     logs = [read_log(r) for r in runs]
+    for run, (train, _) in zip(runs, logs):
+        if x == 'minutes' and not train:  # evaluation records carry no clock of their own
+            fail(f"{run}: log.jsonl has no training records, so no minutes: plot it with --x step")
     labels = labels or [os.path.basename(os.path.normpath(r if os.path.isdir(r) else os.path.dirname(r) or '.'))
                         for r in runs]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     axes = axes.ravel()
     for ax, (title, which, key) in zip(axes, PANELS):
         for i, (log, label) in enumerate(zip(logs, labels)):
-            pts = [(r[x], r[key]) for r in log[which] if key in r]
+            pts = [(r[x], r[key]) for r in log[which] if key in r and np.isfinite(r[key])]
             if pts:  # evaluations are few: markers show where they were taken; so does a lone point, no line
-                ax.plot(*zip(*pts), color=f'C{i}', label=label, marker='o' if which or len(pts) == 1 else None,
-                        markersize=3)
+                # Ten colours, then the next line style: run 10 is not drawn as run 0 again.
+                ax.plot(*zip(*pts), color=f'C{i % 10}', linestyle=('-', '--', ':', '-.')[i // 10 % 4], label=label,
+                        marker='o' if which or len(pts) == 1 else None, markersize=3)
         if not ax.lines:
             ax.text(0.5, 0.5, 'not in the log', ha='center', va='center', transform=ax.transAxes, color='gray')
         ax.set_title(title)
@@ -148,8 +158,8 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
     axes[3].ticklabel_format(axis='y', style='sci', scilimits=(-3, 3))
     # The sixth cell holds the legend: one entry per run, shared by all panels.
     axes[5].axis('off')
-    # Keyed by colour, not label: two runs of one folder name (out/NAME in two checkouts) are two entries.
-    handles = {line.get_color(): line for ax in axes[:5] for line in ax.lines}
+    # Keyed by colour and style, not label: two runs of one folder name (out/NAME in two checkouts) are two entries.
+    handles = {(line.get_color(), line.get_linestyle()): line for ax in axes[:5] for line in ax.lines}
     axes[5].legend(handles.values(), [h.get_label() for h in handles.values()], loc='center', title='run')
     fig.tight_layout()
     save(fig, plt, out, show)

@@ -187,6 +187,48 @@ def test_a_resumed_run_whose_clock_goes_on_keeps_its_minutes(tmp_path):
     assert [(r['step'], r['minutes']) for r in train] == [(10, 1.0), (20, 2.0), (30, 3.1), (40, 4.1)]
 
 
+def test_non_finite_values_are_said_and_the_finite_points_around_them_drawn(tmp_path, monkeypatch, capsys):
+    plt = pytest.importorskip('matplotlib.pyplot')
+    records = [train_record(50, 0.5, loss=1.0), train_record(100, 1.0, loss=float('nan')),
+               train_record(150, 1.5, loss=float('inf')), train_record(200, 2.0, loss=0.5)]
+    run = write_log(tmp_path / 'r', records)  # json writes NaN and Infinity, as train.py's log does
+    figs = []
+    monkeypatch.setattr(plt, 'close', figs.append)
+    plot.main(['curves', run, '-o', str(tmp_path / 'c.png'), '--no-show'])
+    (line,) = figs[0].axes[0].lines
+    assert list(line.get_xdata()) == [50, 200] and list(line.get_ydata()) == [1.0, 0.5]
+    assert '2 non-finite value(s)' in capsys.readouterr().err
+
+
+def test_lines_that_are_not_train_py_records_are_skipped_and_counted(tmp_path, capsys):
+    run = tmp_path / 'r'
+    write_log(run, [train_record(10, 1.0)])
+    with open(run / 'log.jsonl', 'a') as f:
+        f.write('{"step": 20, "loss": 1.0, "elapsed_min": "2.0"}\n{"step": 30, "loss": "x"}\n[1, 2]\n')
+    train, _ = plot.read_log(str(run))
+    assert [r['step'] for r in train] == [10] and 'skipped 3 line(s)' in capsys.readouterr().err
+
+
+def test_minutes_of_a_log_without_training_records_is_a_one_line_error(tmp_path):
+    pytest.importorskip('matplotlib')
+    run = write_log(tmp_path / 'r', [dict(step=200, valid_loss=2.0), dict(step=400, valid_loss=1.5, valid_bleu=10.0)])
+    with pytest.raises(SystemExit) as e:  # its panels would be drawn empty: no clock to place them on
+        plot.main(['curves', run, '-o', str(tmp_path / 'c.png'), '--x', 'minutes', '--no-show'])
+    assert '--x step' in str(e.value) and 'log.jsonl' in str(e.value)
+
+
+def test_more_runs_than_colours_stay_apart(tmp_path, monkeypatch):
+    plt = pytest.importorskip('matplotlib.pyplot')
+    runs = [synthetic_log(tmp_path / f'r{i}') for i in range(12)]
+    figs = []
+    monkeypatch.setattr(plt, 'close', figs.append)
+    plot.main(['curves', *runs, '-o', str(tmp_path / 'c.png'), '--no-show'])
+    lines = figs[0].axes[0].lines
+    to_hex = pytest.importorskip('matplotlib.colors').to_hex  # 'C10' is 'C0' again
+    assert len({(to_hex(ln.get_color()), ln.get_linestyle()) for ln in lines}) == 12
+    assert len(figs[0].axes[5].get_legend().get_texts()) == 12
+
+
 @pytest.mark.parametrize('content', [None, '', '\n', '{"not": "a record"}\n'])
 def test_bad_log_is_a_one_line_error_naming_it(tmp_path, content):
     run = tmp_path / 'run'

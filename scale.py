@@ -201,8 +201,6 @@ def main(argv=None):
         p.error(f'--src and --tgt are both {args.src}')
     if args.cmd == 'corpus' and os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f'--out {args.out} is a file: give a folder')
-    if args.cmd == 'corpus' and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        p.error(f'--out {args.out}: its parent is not a folder')
     if args.cmd == 'corpus' and not args.force:  # a real corpus of those names is not replaced by a synthetic one
         there = [f'{split}.{lang}.gz' for split in ('train', 'valid', 'test') for lang in (args.src, args.tgt)
                  if os.path.exists(os.path.join(args.out, f'{split}.{lang}.gz'))]

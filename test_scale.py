@@ -51,6 +51,17 @@ def test_corpus_is_parallel_wmt_sized_and_reproducible(tmp_path):
     assert seen > 0.5  # one pool: held-out rare words are mostly the training set's, as newstest's are WMT's
 
 
+def test_an_out_that_cannot_be_made_is_a_one_line_error_and_one_in_a_new_folder_is_made(tmp_path):
+    fake_multi30k(tmp_path / 'm30k')
+    (tmp_path / 'a_file').write_text('')
+    args = ['corpus', '--pairs', '20', '--held-out', '5', '--pool', '50', '--multi30k', str(tmp_path / 'm30k')]
+    with pytest.raises(SystemExit) as e:
+        scale.main(args + ['--out', str(tmp_path / 'a_file' / 'c')])
+    assert f"--out {tmp_path / 'a_file' / 'c'} cannot be created" in str(e.value)
+    scale.main(args + ['--out', str(tmp_path / 'new' / 'c')])  # as data/fake_wmt in a fresh clone, before data/
+    assert len(read(tmp_path / 'new' / 'c', 'train.en.gz')) == 20
+
+
 def test_a_multi30k_folder_whose_sides_differ_is_a_one_line_error(tmp_path):
     fake_multi30k(tmp_path / 'm30k')
     with gzip.open(tmp_path / 'm30k' / 'train.de.gz', 'wt') as f:
@@ -96,7 +107,6 @@ def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
     (['corpus', '--pairs', '10', '--out', 'c', '--src', 'en', '--tgt', 'en'], '--src and --tgt'),
     (['corpus', '--pairs', '10', '--out', 'c', '--seed', '-1'], '--seed'),
     (['corpus', '--pairs', '10', '--out', 'c', '--pool', '0'], '--pool'),
-    (['corpus', '--pairs', '10', '--out', 'a_file/c'], '--out a_file/c'),
     (['loader', '--data', 'prep', '--batches', '0'], '--batches'),
     (['loader', '--data', 'prep', '--max-tokens', '0'], '--max-tokens'),
     (['checkpoints', '--dir', 'nowhere'], '--dir nowhere')])

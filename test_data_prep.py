@@ -35,6 +35,9 @@ class Handler(BaseHTTPRequestHandler):
         srv.log.append((path, rng) + ((self.headers['If-Range'],) if 'If-Range' in self.headers else ()))
         if path not in srv.files:
             return self.send_error(404)
+        if srv.busy.get(path):  # 429 Too Many Requests, that many times
+            srv.busy[path] -= 1
+            return self.send_error(429)
         data, start, etag = srv.files[path], 0, srv.etags.get(path)
         if self.headers.get('If-Range', etag) != etag:  # changed since: the whole file, as RFC 9110 says
             rng = None
@@ -51,7 +54,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header('Content-Range', f'bytes {start}-{len(data) - 1}/{len(data)}')
         if etag:
             self.send_header('ETag', etag)
-        self.send_header('Content-Length', str(len(body)))
+        if path not in srv.no_length:  # else the body ends where the connection does (HTTP/1.0)
+            self.send_header('Content-Length', str(len(body)))
         self.end_headers()
         if path in srv.pause:
             self.wfile.write(body[:len(body) // 2])
@@ -72,6 +76,7 @@ def server(monkeypatch):
     monkeypatch.setattr(data_prep, 'RETRY_WAIT', 0.0)
     srv = ThreadingHTTPServer(('127.0.0.1', 0), Handler)
     srv.files, srv.etags, srv.cut, srv.pause, srv.always_cut, srv.no_range, srv.log = {}, {}, {}, {}, None, False, []
+    srv.no_length, srv.busy = set(), {}
     srv.url = f'http://127.0.0.1:{srv.server_port}/'
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
@@ -298,6 +303,19 @@ def test_a_file_already_in_the_download_dir_is_checked_against_the_table(server,
     assert server.log == []
 
 
+def test_a_cut_transfer_without_a_length_is_resumed_not_taken_as_complete(server, tmp_path):
+    data = gzip.compress(os.urandom(200_000))  # an archive's own end says whether all of it came
+    server.files['blob.tgz'], server.cut['blob.tgz'] = data, 50_000
+    server.no_length.add('blob.tgz')
+    assert open(data_prep.download(server.url + 'blob.tgz', str(tmp_path / 'blob.tgz')), 'rb').read() == data
+    assert [rng for _, rng in server.log] == [None, 'bytes=50000-']
+
+
+def test_too_many_requests_is_retried(server, tmp_path):
+    server.files['blob.bin'], server.busy['blob.bin'] = b'x' * 1000, 2
+    assert open(data_prep.download(server.url + 'blob.bin', str(tmp_path / 'blob.bin')), 'rb').read() == b'x' * 1000
+
+
 def test_download_missing_file_is_a_clear_error(server, tmp_path):
     with pytest.raises(SystemExit) as e:
         data_prep.download(server.url + 'nope.tgz', str(tmp_path / 'nope.tgz'))
@@ -328,6 +346,29 @@ def test_wmt14_layout_end_to_end_through_a_mirror_url(server, tmp_path):
             assert read_split(out, split, lang) == [p[i] for p in pairs]
     assert meta['vocab_size'] == enc.n_vocab and meta['dtype'] == 'uint16'
     assert (meta['pad_id'], meta['bos_id'], meta['eos_id']) == tuple(enc.n_vocab - 3 + i for i in range(3))
+
+
+def test_a_test_set_missing_from_its_archive_is_found_before_the_bpe(tmp_path):
+    files, *_ = wmt14_de_en_archives()
+    files['test-full.tgz'] = tgz({'test-full/newstest2014-deen-src.en.sgm': sgm(['a b'])})  # no German side
+    (tmp_path / 'mirror').mkdir()
+    for name, data in files.items():
+        (tmp_path / 'mirror' / name).write_bytes(data)
+    with pytest.raises(SystemExit) as e:
+        data_prep.main(['wmt14', '--src', 'en', '--tgt', 'de', '--mirror', str(tmp_path / 'mirror'), '--vocab-size',
+                        '300', '--out', str(tmp_path / 'wmt')])
+    assert 'has no member test-full/newstest2014-deen-ref.de.sgm' in str(e.value)
+    assert os.listdir(tmp_path / 'wmt') == []  # no BPE learned, nothing encoded: on WMT14, hours
+
+
+@pytest.mark.parametrize('lines', [['<seg id="1"> a b', 'c </seg>'], ['<seg id="1">a</seg><seg id="2">b</seg>'],
+                                   ['<SEG id="1">a</SEG>']])
+def test_a_seg_that_is_not_one_line_is_an_error_naming_it(tmp_path, lines):
+    path = tmp_path / 'x.sgm'
+    path.write_text('<doc>\n<seg id="0">fine</seg>\n' + '\n'.join(lines) + '\n</doc>\n')
+    with pytest.raises(SystemExit) as e:  # it was dropped, or two read as one, without a word
+        list(data_prep.read_lines(str(path)))
+    assert f'{path} line 3' in str(e.value)
 
 
 def test_multi30k_from_a_mirror_folder(tmp_path, monkeypatch):

@@ -537,6 +537,8 @@ def test_cooldown_follows_max_steps_when_the_steps_run_out_first():
     (['--device=cpux'], "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     (['--t_process=0.0'], "unknown setting 't_process'"),
     (['--seed=-1'], 'seed must be at least 0 and below 2**63'),
+    (['--ddp_timeout_minutes=1e308'], 'ddp_timeout_minutes must be'),
+    (['--ddp_timeout_minutes=1e-9'], 'ddp_timeout_minutes must be'),
     (['--seed=18446744073709551616'], 'seed must be at least 0 and below 2**63'),
 ])
 def test_bad_settings_give_clear_errors(args, message, tmp_path):
@@ -675,3 +677,17 @@ def test_fine_tuning_reads_checkpoints_as_translate_py_does(data_dir, tmp_path):
     torch.save({**ckpt, 'model': {k: v for k, v in ckpt['model'].items() if 'ffn' not in k}}, tmp_path / 'part.pt')
     res = train(['--max_steps=1', f'--init_from={tmp_path / "part.pt"}'], tmp_path / 'd', data_dir, ok=False)
     assert 'part.pt: weights do not fit its model_cfg' in res.stderr
+
+
+def test_two_process_timed_saves_are_one_each_time(data_dir, tmp_path):
+    # The save vote is all-reduced one step late: the step that saves had already voted to save again.
+    train(['--max_steps=150', '--save_minutes=0.02', '--keep_last=1000', '--keep_state=1000'], tmp_path, data_dir,
+          nproc=2)
+    steps = [int(os.path.basename(p)[5:-3]) for p in translate.checkpoints(str(tmp_path))][:-1]  # not the last step's
+    assert steps and all(b - a > 1 for a, b in zip(steps, steps[1:])), steps
+
+
+def test_rank_set_without_a_launcher_is_a_one_line_error(tmp_path):
+    res = subprocess.run([sys.executable, 'train.py', f'--out_dir={tmp_path}/run'], cwd=HERE, capture_output=True,
+                         text=True, env=dict(os.environ, RANK='0'))
+    assert res.returncode != 0 and 'torchrun' in res.stderr and 'Traceback' not in res.stderr, res.stderr

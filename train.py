@@ -143,8 +143,8 @@ if bleu_lenpen < 0:
 for key in ('dropout', 'attn_dropout', 'label_smoothing', 'beta1', 'beta2'):
     if not 0 <= config[key] < 1:
         sys.exit(f"{key} must be at least 0 and below 1, got {config[key]}")
-if not ddp_timeout_minutes > 0:
-    sys.exit(f"ddp_timeout_minutes must be above 0, got {ddp_timeout_minutes}")
+if not 1e-3 <= ddp_timeout_minutes <= 1e6:  # a timedelta in milliseconds: below rounds to 0, above overflows
+    sys.exit(f"ddp_timeout_minutes must be between 0.001 and 1e6, got {ddp_timeout_minutes}")
 for key in ('lr', 'lr_scale', 'adam_eps', 'weight_decay', 'clip_grad', 'max_minutes', 'save_minutes',
             'eval_interval', 'save_interval'):
     if not config[key] >= 0:  # 0: off, where it can be
@@ -171,6 +171,9 @@ if device.startswith('cuda') and not torch.cuda.is_available():
 # -----------------------------------------------------------------------------------------------
 # processes, device and precision
 ddp = 'RANK' in os.environ
+if ddp and not all(k in os.environ for k in ('WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')):
+    sys.exit("RANK is set but not the rest of torchrun's environment (WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+             "MASTER_PORT): launch with torchrun, or unset RANK for one process")
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
 if ddp:
@@ -631,6 +634,8 @@ while step < max_steps:
     if (save_interval and step % save_interval == 0) or save_due or step == max_steps:
         checkpoint()
         last_save = time.time()
+        if ddp:  # this step's vote, all-reduced already, predates this save: it must not save again next step
+            pending[0] = 0.0
     if step % log_interval == 0:
         t_last = time.time()  # evaluation and saving do not count against tokens/s
 

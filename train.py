@@ -404,8 +404,8 @@ def epoch_plan(epoch):  # the same on every rank: the seed and the epoch decide 
 plan = epoch_plan(epoch)
 if init_from != 'resume' and run_files:
     # --overwrite: the old run goes only now that every input has loaded and the model is built (a typo in
-    # data_dir, a max_len too short, too few batches for an update, or fine-tuning from this out_dir's own ckpt.pt must not cost it), and
-    # only after every rank has listed it.
+    # data_dir, a max_len too short, too few batches for an update, or fine-tuning from this out_dir's own
+    # ckpt.pt must not cost it), and only after every rank has listed it.
     if ddp:
         dist.barrier()
     if master:

@@ -691,3 +691,10 @@ def test_rank_set_without_a_launcher_is_a_one_line_error(tmp_path):
     res = subprocess.run([sys.executable, 'train.py', f'--out_dir={tmp_path}/run'], cwd=HERE, capture_output=True,
                          text=True, env=dict(os.environ, RANK='0'))
     assert res.returncode != 0 and 'torchrun' in res.stderr and 'Traceback' not in res.stderr, res.stderr
+
+
+def test_a_damaged_snapshot_is_found_when_the_resume_starts_not_after_it_trained(data_dir, tmp_path):
+    train(['--max_steps=4', '--save_interval=2'], tmp_path, data_dir)
+    (tmp_path / 'ckpt_0000002.pt').write_bytes(b'damaged')  # the final average would read it
+    res = train(['--max_steps=6', '--init_from=resume'], tmp_path, data_dir, ok=False)
+    assert 'ckpt_0000002.pt' in res.stderr and 'step 5 ' not in res.stdout, res.stdout[-500:]

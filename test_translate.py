@@ -469,6 +469,13 @@ def test_a_checkpoint_with_settings_no_model_has_is_a_one_line_error_naming_it(t
     assert not (tmp_path / 'out').exists()
 
 
+def test_decoding_on_a_gpu_without_bf16_defaults_to_float32(monkeypatch):
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: False)  # e.g. a V100 or a T4
+    assert T.default_dtype('cuda:0') == 'float32' and T.default_dtype('cpu') == 'float32'
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: True)
+    assert T.default_dtype('cuda') == 'bfloat16' and T.default_dtype('cpu') == 'float32'
+
+
 def test_closed_standard_output_without_output_is_a_one_line_error(toy):
     r = subprocess.run([sys.executable, os.path.join(HERE, 'translate.py'), '--ckpt', toy['ckpt'], '--input', toy['src']],
                        stderr=subprocess.PIPE, env=ENV, cwd=HERE, timeout=120, preexec_fn=lambda: os.close(1))

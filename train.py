@@ -290,6 +290,11 @@ if init_from == 'resume':
     if newer:  # another trajectory's weights (its state deleted or damaged): the final average would mix them in
         sys.exit(f"{out_dir} holds snapshots newer than {init_path} (step {state['step']}): {', '.join(newer[:4])}; "
                  f"move them out of it to resume from step {state['step']}")
+    for path in translate.checkpoints(out_dir)[-average_last:]:  # the final average reads them: found now, not then
+        try:  # mmap: the file's index, not its weights
+            torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+        except Exception as e:
+            sys.exit(f"{path} is damaged ({type(e).__name__}): move it out of {out_dir} to resume without it")
 elif init_from != 'scratch':
     if os.path.isdir(init_from):  # not translate.py's advice, which names its own --average-last
         sys.exit(f"init_from={init_from!r} is a folder: give a checkpoint file in it (ckpt.pt), or continue the run "

@@ -143,6 +143,11 @@ def fast_dtype(device_type):
     return 'bfloat16' if device_type == 'cpu' and any(native) else 'float32'
 
 
+def default_dtype(device):
+    # translate.py's default: float32 on a CPU, bf16 on a GPU that has it (before Ampere, float32).
+    return fast_dtype('cuda') if device.startswith('cuda') else 'float32'
+
+
 def keep_freed_memory():
     """glibc returns a freed block over 32 MB (a batch's logits, tokens x vocab floats) to the OS, so the
     next step page-faults it back in, zeroed, page by page (README, Performance). Keep freed memory in the
@@ -680,7 +685,7 @@ def main(argv=None):
         model.decode = torch.compile(model.decode, dynamic=True)
     if args.lenpen is None:
         args.lenpen = model.lenpen if ct2 else default_lenpen(ckpt)
-    dtype = None if ct2 else getattr(torch, args.dtype or ('bfloat16' if args.device.startswith('cuda') else 'float32'))
+    dtype = None if ct2 else getattr(torch, args.dtype or default_dtype(args.device))
     opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                 max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype,
                 early_stop=args.early_stop)

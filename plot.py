@@ -92,9 +92,10 @@ def read_log(path):
             except json.JSONDecodeError:
                 r = None  # e.g. a last line cut short by a crash
             numbers = isinstance(r, dict) and all(type(r[k]) in (int, float) for k in NUMBERS if k in r)
-            if numbers and type(r.get('step')) is int:
-                records.append(r)
-                odd += sum(not np.isfinite(r[k]) for k in NUMBERS if k in r)  # train.py logs a NaN loss as NaN
+            if numbers and type(r.get('step')) is int:  # train.py logs a NaN loss as NaN: left out, not drawn
+                finite = {k: v for k, v in r.items() if k not in NUMBERS or np.isfinite(v)}
+                odd += len(r) - len(finite)
+                records.append(finite)
             else:
                 bad += line.strip() != ''
     if bad:
@@ -145,7 +146,7 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
     axes = axes.ravel()
     for ax, (title, which, key) in zip(axes, PANELS):
         for i, (log, label) in enumerate(zip(logs, labels)):
-            pts = [(r[x], r[key]) for r in log[which] if key in r and np.isfinite(r[key])]
+            pts = [(r[x], r[key]) for r in log[which] if key in r]
             if pts:  # evaluations are few: markers show where they were taken; so does a lone point, no line
                 # Ten colours, then the next line style: run 10 is not drawn as run 0 again.
                 ax.plot(*zip(*pts), color=f'C{i % 10}', linestyle=('-', '--', ':', '-.')[i // 10 % 4], label=label,

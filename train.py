@@ -318,11 +318,11 @@ if init_from == 'resume':  # the saved architecture and optimizer state win: a d
     # of older versions lack train_split: their data_dir's meta.json, where it is still there, stands in.)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         saved = state.get('train_split') or data_prep.load_meta(state['data_dir'])['splits']['train']
-        if saved != meta['splits']['train'] and os.path.abspath(state['data_dir']) == os.path.abspath(data_dir):
-            sys.exit(f"{data_dir} holds other training pairs than {out_dir} was trained on ({saved} then, "
-                     f"{meta['splits']['train']} now: prepared again?); resume on the data it began with, or start "
-                     f"a new run from its weights with --init_from={os.path.join(out_dir, 'ckpt.pt')}")
         if saved != meta['splits']['train']:
+            if os.path.abspath(state['data_dir']) == os.path.abspath(data_dir):
+                sys.exit(f"{data_dir} holds other training pairs than {out_dir} was trained on ({saved} then, "
+                         f"{meta['splits']['train']} now: prepared again?); resume on the data it began with, or "
+                         f"start a new run from its weights with --init_from={os.path.join(out_dir, 'ckpt.pt')}")
             changed.append(f"data_dir={data_dir!r} (the run's: {state['data_dir']!r}, other training pairs)")
     if changed:
         sys.exit(f"init_from='resume' continues {out_dir} as it was trained, but these settings differ from "
@@ -437,13 +437,13 @@ def get_lr(step, elapsed=0.0):
     return rate
 
 
-# agree's answer before its first all-reduce: no save due, and the training time the run resumed with.
-pending = torch.tensor([0.0, elapsed], device=device) if ddp else None
+# agree's answer before its first all-reduce: the training time the run resumed with.
+pending = torch.tensor([elapsed], device=device) if ddp else None
 
 
 def agree(*values):
-    """Time-based decisions taken the same on every rank, whose clocks differ (save now; the elapsed time
-    that stops the run and drives the cooldown): each value's maximum over ranks, as floats. Under DDP it
+    """Time-based decisions taken the same on every rank, whose clocks differ (the elapsed time that times
+    the saves, stops the run and drives the cooldown): each value's maximum over ranks, as floats. Under DDP it
     is read one step late, so that the host never waits for the GPU: the all-reduce runs on the training
     device (NCCL reduces GPU tensors only) behind the step's work."""
     global pending
@@ -555,9 +555,10 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
     f"{update_freq} x max_tokens {max_tokens}; device {device}, {dtype}")
 log(f"{len(plan):,} batches this epoch; ready to train {time.time() - _t_process:.1f}s after start")
 per_update = world * update_freq
-t_last = last_save = time.time()
+t_last = time.time()
 t_start = t_last - elapsed
 tokens_since, clock = 0, elapsed  # clock: the elapsed seconds all ranks agree on
+last_save = clock  # on that clock: a save it times is one decision on every rank, taken once
 # Kept on the device and read only at log steps: a .item() per step would stall the GPU queue.
 loss_acc, nll_acc = torch.zeros((), device=device), torch.zeros((), device=device)
 streak, worst_streak, skipped = (torch.zeros((), device=device) for _ in range(3))
@@ -604,7 +605,7 @@ while step < max_steps:
     worst_streak, skipped = torch.maximum(worst_streak, streak), skipped + bad
     tokens_since += ntok_update
     elapsed = time.time() - t_start
-    save_due, clock = agree(save_minutes > 0 and time.time() - last_save > save_minutes * 60, elapsed)
+    (clock,) = agree(elapsed)
     if max_minutes > 0 and clock > max_minutes * 60:
         log(f"max_minutes={max_minutes} reached at step {step}")
         max_steps = step
@@ -636,11 +637,10 @@ while step < max_steps:
     if ((eval_interval and step % eval_interval == 0) or (bleu_interval > 0 and step % bleu_interval == 0)) \
             and step != max_steps:
         evaluate()
-    if (save_interval and step % save_interval == 0) or save_due or step == max_steps:
+    if ((save_interval and step % save_interval == 0) or (save_minutes > 0 and clock - last_save > save_minutes * 60)
+            or step == max_steps):
         checkpoint()
-        last_save = time.time()
-        if ddp:  # this step's vote, all-reduced already, predates this save: it must not save again next step
-            pending[0] = 0.0
+        last_save = clock
     if step % log_interval == 0:
         t_last = time.time()  # evaluation and saving do not count against tokens/s
 

@@ -232,13 +232,16 @@ def checkpoint_config(path, ckpt):  # train.py's fine-tuning reads checkpoints t
         cfg = M.Config(**ckpt['model_cfg'])
     except TypeError as e:
         fail(f"{path}: model_cfg does not fit model.Config: {e}")
+    # Else a shape or index error deep in the first decoding step.
     sizes = ('vocab_size', 'n_enc_layers', 'n_dec_layers', 'd_model', 'd_ff', 'n_heads', 'max_len')
-    bad = [k for k in sizes if type(getattr(cfg, k)) is not int or getattr(cfg, k) < 1]
-    bad += [k for k in ('pad_id', 'bos_id', 'eos_id') if type(getattr(cfg, k)) is not int
-            or not 0 <= getattr(cfg, k) < (cfg.vocab_size if 'vocab_size' not in bad else math.inf)]
-    if bad or cfg.d_model % cfg.n_heads:  # else a shape error deep in the first decoding step
-        fail(f"{path}: model_cfg {', '.join(f'{k}={getattr(cfg, k)!r}' for k in bad) or f'd_model={cfg.d_model}'} "
-             f"{'is out of range (sizes at least 1, ids below vocab_size)' if bad else f'is not a multiple of n_heads={cfg.n_heads}'}")
+    for k in sizes:
+        if type(getattr(cfg, k)) is not int or getattr(cfg, k) < 1:
+            fail(f"{path}: model_cfg {k}={getattr(cfg, k)!r} is not a size of at least 1")
+    for k in ('pad_id', 'bos_id', 'eos_id'):
+        if type(getattr(cfg, k)) is not int or not 0 <= getattr(cfg, k) < cfg.vocab_size:
+            fail(f"{path}: model_cfg {k}={getattr(cfg, k)!r} is not an id below vocab_size={cfg.vocab_size}")
+    if cfg.d_model % cfg.n_heads:
+        fail(f"{path}: model_cfg d_model={cfg.d_model} is not a multiple of n_heads={cfg.n_heads}")
     return cfg
 
 

@@ -33,7 +33,9 @@ from ctranslate2.specs import common_spec
 from ctranslate2.specs import model_spec
 from ctranslate2.specs import transformer_spec
 
+import data_prep
 import translate as T
+from data_prep import fail
 
 
 def array(t):
@@ -110,26 +112,21 @@ EXPORT_FILES = {'model.bin', 'config.json', 'shared_vocabulary.json', 'source_vo
 
 def export(model, tokenizer, out, quantization='none', force=False, info=None):
     """Writes the CTranslate2 export of model (a model.Transformer) to the directory out."""
-    out = os.path.realpath(out)  # through a symlink: the link stays, its target is replaced
-
-    def check_out():
-        if not os.path.lexists(out):
-            return
+    out = os.path.normpath(out)  # out/ names the folder, not a place inside it for the temporary one
+    if os.path.exists(out):
         # What --force would refuse first: advising --force where it cannot help only sends the user round.
         if not os.path.isfile(os.path.join(out, T.CT2_MARKER)):
-            T.fail(f"{out} exists and is not an export of export_ct2.py; not replacing it")
+            fail(f"{out} exists and is not an export of export_ct2.py; not replacing it")
         others = sorted(set(os.listdir(out)) - EXPORT_FILES)
         if others:  # --force replaces an export, not whatever else was put in its folder
-            T.fail(f"{out} holds files that are not the export's ({', '.join(others[:4])}); not replacing it")
+            fail(f"{out} holds files that are not the export's ({', '.join(others[:4])}); not replacing it")
         if not force:
-            T.fail(f"{out} already exists; use --force to replace it")
-    check_out()
+            fail(f"{out} already exists; use --force to replace it")
     spec = build_spec(model)
     spec.validate()
     spec.optimize(quantization=None if quantization == 'none' else quantization)
     tmp, old = f"{out}.tmp-{os.getpid()}", f"{out}.old-{os.getpid()}"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         spec.save(tmp)
         with open(os.path.join(tmp, 'tokenizer.json'), 'w', encoding='utf-8') as f:
@@ -137,23 +134,15 @@ def export(model, tokenizer, out, quantization='none', force=False, info=None):
         with open(os.path.join(tmp, T.CT2_MARKER), 'w', encoding='utf-8') as f:
             json.dump({'format': 1, 'model_cfg': dataclasses.asdict(model.cfg), 'quantization': quantization,
                        'ctranslate2': ctranslate2.__version__, **(info or {})}, f, indent=1)
-        check_out()  # again: another export may have written out while this one was built
-        if os.path.lexists(out):  # the old export is moved aside only once the new one is complete
+        if os.path.exists(out):  # the old export is moved aside only once the new one is complete
             os.rename(out, old)
-        try:
-            os.rename(tmp, out)  # fails if out is a folder with files: written since check_out
-        except OSError:
-            if os.path.lexists(out):  # the export moved aside (if any) is older than the one now in place
-                shutil.rmtree(old, ignore_errors=True)
-                T.fail(f"{out} already exists: another export wrote it meanwhile"
-                       f"{'' if force else '; use --force to replace it'}")
-            raise
-    except BaseException as e:
+        os.rename(tmp, out)
+    except BaseException as e:  # Ctrl-C included: no half-written export, and the old one back in place
         shutil.rmtree(tmp, ignore_errors=True)
-        if os.path.lexists(old) and not os.path.lexists(out):  # put the old export back where it was
+        if os.path.exists(old) and not os.path.exists(out):
             os.rename(old, out)
         if isinstance(e, OSError):
-            T.fail(f"cannot write {out}: {e.strerror or e}")
+            fail(f"cannot write {out}: {e.strerror or e}")
         raise
     shutil.rmtree(old, ignore_errors=True)
     return out
@@ -165,23 +154,17 @@ def main(argv=None):
     p.add_argument('--out', required=True, help="the CTranslate2 model directory to write")
     p.add_argument('--quantization', default='none', choices=['none', *model_spec.ACCEPTED_MODEL_TYPES],
                    help="weight type: int8 for CPU, float16 for GPU; none keeps float32")
-    p.add_argument('--average-last', type=int, default=0, help="export the average of the newest N ckpt_STEP.pt")
+    p.add_argument('--average-last', type=int, default=0,
+                   help="export the average of the newest N ckpt_STEP.pt")
     p.add_argument('--force', action='store_true', help="replace --out if it holds an earlier export")
     args = p.parse_args(argv)
-    try:
-        run(args)
-    except KeyboardInterrupt:  # export() has removed its half-written folder and put any old export back
-        sys.exit('export_ct2.py: interrupted')
-
-
-def run(args):
     if args.average_last:
         paths = T.newest_checkpoints(args.ckpt, args.average_last)
-        model, _, ckpt = T.load_checkpoint(paths[-1], 'cpu', T.average_checkpoints(paths))
+        model, _, ckpt = T.load_checkpoint(paths[-1], 'cpu', data_prep.average_checkpoints(paths))
     else:
         paths = [args.ckpt]
         model, _, ckpt = T.load_checkpoint(args.ckpt, 'cpu')
-    tok = T.checkpoint_tokenizer(paths[-1], ckpt)  # load_checkpoint has just read it: it resolves
+    tok = data_prep.checkpoint_tokenizer(paths[-1], ckpt)  # load_checkpoint has just read it: it resolves
     info = {'checkpoints': [os.path.abspath(q) for q in paths], 'step': ckpt.get('step'),
             'lenpen': T.default_lenpen(ckpt)}
     out = export(model, tok, args.out, args.quantization, args.force, info)

@@ -1,8 +1,8 @@
 """
-The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), whole, in one file.
-Read top to bottom in the order of the paper's section 3: configuration (Table 3), embeddings and
-positional encoding (3.4, 3.5), multi-head attention (3.2), the position-wise feed-forward network
-(3.3), encoder and decoder stacks (3.1), then the training loss (5.4) and decoding (6.1).
+The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), whole, in one file, in the order of
+the paper's section 3: configuration (Table 3), positional encoding (3.5), multi-head attention (3.2), the
+feed-forward network (3.3), encoder and decoder stacks (3.1) with shared embeddings (3.4), then the training
+loss (5.4) and decoding (6.1): greedy and beam search with a KV cache.
 """
 import math
 from dataclasses import dataclass, fields
@@ -10,10 +10,6 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-# cuDNN's attention (PyTorch's pick for bf16 on Hopper) plans anew for each shape, and token batches and
-# decoding steps change shape nearly every call: bf16 ran 5-10x slower than float32 on an H100 (README, GPU).
-torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 @dataclass
@@ -59,41 +55,20 @@ def sinusoidal_positions(max_len, d_model):
     return pe.float()
 
 
-def linear(x, weight, bias=None, packed=None, relu=False):
-    # With a copy of the weight prepacked for oneDNN (translate.packed_weights), where that is the same
-    # computation: eager PyTorch multiplies float32 on the CPU with MKL, 1.1-2x slower for decoding on some
-    # CPUs (README, Serving). oneDNN applies the FFN's ReLU as the product is written, not in another pass.
-    # is_compiling first: compiled code then never guards on (and recompiles for) each call's packed copy.
-    if (not torch.compiler.is_compiling() and packed is not None and x.dtype == torch.float32
-            and not torch.is_grad_enabled() and not torch.is_autocast_enabled('cpu')):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, 'relu' if relu else 'none', [], '')
-    y = F.linear(x, weight, bias)
-    return F.relu(y) if relu else y
-
-
-class Linear(nn.Linear):
-    packed = None  # set by translate.packed_weights for the duration of a decoding call
-
-    def forward(self, x, relu=False):
-        return linear(x, self.weight, self.bias, self.packed, relu)
-
-
 class MultiHeadAttention(nn.Module):
-    """Section 3.2.2. Self-attention projects Q, K, V with one fused matmul; cross-attention
-    projects Q from the decoder and K, V (fused) from the encoder output, once per source."""
+    """Section 3.2.2: MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K,
+    V W_i^V), Attention = softmax(Q K^T / sqrt(d_k)) V (3.2.1). Self-attention projects Q, K, V with one
+    fused matmul; cross-attention projects Q from the decoder and K, V (fused) from the encoder output."""
 
     def __init__(self, cfg, cross=False):
         super().__init__()
         self.n_heads, self.cross, self.attn_dropout = cfg.n_heads, cross, cfg.attn_dropout
         d = cfg.d_model
         if cross:
-            self.q_proj, self.kv_proj = Linear(d, d), Linear(d, 2 * d)
+            self.q_proj, self.kv_proj = nn.Linear(d, d), nn.Linear(d, 2 * d)
         else:
-            self.qkv_proj = Linear(d, 3 * d)
-        self.out_proj = Linear(d, d)
-        # SDPA never materialises the attention weights; set True (plot.py does) to compute them
-        # explicitly and keep the last call's in self.weights, (B, h, queries, keys).
-        self.keep_weights = False
+            self.qkv_proj = nn.Linear(d, 3 * d)
+        self.out_proj = nn.Linear(d, d)
 
     def heads(self, x):  # (B, T, h*d_k) -> (B, h, T, d_k)
         B, T, C = x.shape
@@ -101,41 +76,28 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x, memory=None, mask=None, causal=False, cache=None):
         if self.cross:
-            if cache is not None and 'k' in cache:
-                k, v = cache['k'], cache['v']  # the source does not change while decoding
+            if cache is not None and 'k' in cache:  # the source does not change while decoding
+                k, v = cache['k'], cache['v']
             else:
                 k, v = map(self.heads, self.kv_proj(memory).chunk(2, dim=-1))
-                if cache is not None:  # contiguous once, not strided views of the fused product read every step
-                    k, v = k.contiguous(), v.contiguous()
-                    cache['k'], cache['v'] = k, v
-            # Beam search keeps one copy of each source and its beams in consecutive rows of x: they fold
-            # into the query axis, exact because no query masks another, so K and V are never repeated.
+                if cache is not None:  # contiguous once, not strided views read every step
+                    cache['k'], cache['v'] = k, v = k.contiguous(), v.contiguous()
+            # Beam search keeps a source once and its k beams in consecutive rows of x: they fold into the
+            # query axis (no query masks another), so K and V are never repeated per beam.
             q = self.heads(self.q_proj(x).view(k.size(0), -1, x.size(-1)))
         else:
             q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
-            if cache is not None:
+            if cache is not None:  # the KV cache: earlier positions' keys and values, in the beams' order
                 if 'k' in cache:
-                    order = cache.pop('order', None)  # reorder_cache's, applied here in the same copy
+                    order = cache.pop('order', None)
                     k, v = extend(cache['k'], k, order), extend(cache['v'], v, order)
                 cache['k'], cache['v'] = k, v
-                # SDPA's is_causal aligns its mask top-left, which would hide the cached keys from the new
-                # queries: a single new query may see every key, and several need the mask aligned bottom-right.
-                if causal and q.size(2) > 1 and k.size(2) > q.size(2):
-                    T, S = q.size(2), k.size(2)
-                    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-                    causal = False
-                causal = causal and q.size(2) > 1
-        if self.keep_weights:  # softmax(QK^T / sqrt(d_k)) V written out, masked as SDPA masks
-            s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-            if causal:  # top-left aligned, as SDPA's is_causal (which never comes with a mask)
-                mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-            if mask is not None:  # a query with every key masked gets SDPA's zeros, not softmax's 0/0
-                s = s.masked_fill(~mask, -math.inf)
-            self.weights = s.softmax(-1) if mask is None else s.softmax(-1).masked_fill(~mask.any(-1, True), 0.0)
-            y = F.dropout(self.weights, self.attn_dropout, self.training) @ v
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                               dropout_p=self.attn_dropout if self.training else 0.0)
+            T, S = q.size(2), k.size(2)
+            if causal and 1 < T < S:  # is_causal aligns top-left: after a cached prefix, align bottom-right
+                mask, causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
+            causal = causal and T > 1  # one new query may see every key
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.attn_dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(x.shape))
 
 
@@ -144,29 +106,15 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.w1, self.w2 = Linear(cfg.d_model, cfg.d_ff), Linear(cfg.d_ff, cfg.d_model)
+        self.w1, self.w2 = nn.Linear(cfg.d_model, cfg.d_ff), nn.Linear(cfg.d_ff, cfg.d_model)
 
     def forward(self, x):
-        return self.w2(self.w1(x, relu=True))
-
-
-class Dropout(nn.Dropout):
-    """nn.Dropout with the CPU mask drawn by rand_like: torch's CPU dropout draws it with bernoulli_, at
-    twice the cost (README, Performance). Same distribution: each element kept with probability 1 - p."""
-
-    def forward(self, x):
-        if not self.training or self.p == 0:
-            return x
-        if x.device.type != 'cpu' or self.p == 1:
-            return super().forward(x)
-        keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # float32: bf16 would round p
-        return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+        return self.w2(F.relu(self.w1(x)))
 
 
 def residual(x, sublayer, norm, dropout, pre_norm):
-    # Section 5.4: dropout on each sub-layer's output before it is added to its input.
-    # Post-norm (the paper) normalises the sum; pre-norm normalises the input instead, which keeps an
-    # identity path through the stack and trains deep or high-LR models without careful warmup.
+    # Section 5.4: dropout on each sub-layer's output before it is added to its input. Post-norm (the paper)
+    # normalises the sum; pre-norm normalises the input, an identity path that trains without careful warmup.
     if pre_norm:
         return x + dropout(sublayer(norm(x)))
     return norm(x + dropout(sublayer(x)))
@@ -177,7 +125,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn, self.ffn = MultiHeadAttention(cfg), FeedForward(cfg)
         self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.dropout, self.pre_norm = Dropout(cfg.dropout), cfg.pre_norm
+        self.dropout, self.pre_norm = nn.Dropout(cfg.dropout), cfg.pre_norm
 
     def forward(self, x, src_mask):
         x = residual(x, lambda h: self.self_attn(h, mask=src_mask), self.norm1, self.dropout, self.pre_norm)
@@ -190,7 +138,7 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.cross_attn = MultiHeadAttention(cfg), MultiHeadAttention(cfg, cross=True)
         self.ffn = FeedForward(cfg)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
-        self.dropout, self.pre_norm = Dropout(cfg.dropout), cfg.pre_norm
+        self.dropout, self.pre_norm = nn.Dropout(cfg.dropout), cfg.pre_norm
 
     def forward(self, x, memory, src_mask, cache=None):
         self_cache, cross_cache = (None, None) if cache is None else (cache['self'], cache['cross'])
@@ -202,8 +150,6 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    packed_embed = None  # the output projection's translate.packed_weights copy
-
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -211,7 +157,7 @@ class Transformer(nn.Module):
         # projection (a joint BPE vocabulary makes the source/target sharing possible).
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.register_buffer('pe', sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
-        self.dropout = Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
         # Pre-norm leaves the last residual sum un-normalised, so each stack needs a final LayerNorm.
@@ -220,11 +166,9 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # As tensor2tensor: Xavier-uniform weights, each computed for the matrix as the paper writes it.
-        # The fused projections hold several d_model x d_model matrices (W^Q, W^K, W^V of section 3.2.2),
-        # so each block gets its own Xavier bound sqrt(6 / (2 d_model)); the FFN's W1, W2 and the output
-        # projections are single matrices and get plain Xavier, e.g. sqrt(6 / (d_model + d_ff)) for W1.
-        # Biases zero; embeddings N(0, d_model^-0.5), unit variance after the sqrt(d_model) of section 3.4.
+        # As tensor2tensor: Xavier-uniform weights for each matrix as the paper writes it, so the fused
+        # projections (W^Q, W^K, W^V of 3.2.2) get one bound per d_model x d_model block; biases zero;
+        # embeddings N(0, d_model^-0.5), unit variance after the sqrt(d_model) of section 3.4.
         d = self.cfg.d_model
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
@@ -234,8 +178,7 @@ class Transformer(nn.Module):
                 nn.init.zeros_(m.bias)
         nn.init.normal_(self.embed.weight, mean=0.0, std=d ** -0.5)
 
-    def num_params(self):
-        # parameters() yields the shared embedding once; the positional table is a buffer.
+    def num_params(self):  # the shared embedding counted once; the positional table is a buffer
         return sum(p.numel() for p in self.parameters())
 
     def embed_tokens(self, tokens, start=0):
@@ -254,26 +197,29 @@ class Transformer(nn.Module):
         return self.enc_norm(x), src_mask
 
     def decode(self, tgt, memory, src_mask, cache=None):
-        """tgt (B, T) -> logits (B, T, vocab). memory may hold B / k rows, one per k consecutive rows of
-        tgt (beams). With a cache (from new_cache), tgt holds only the new positions and the keys/values
-        of earlier ones are reused."""
+        """tgt (B, T) -> the last layer's states (B, T, d_model). memory may hold B / k rows, one per k
+        consecutive rows of tgt (beams). With a cache (new_cache), tgt holds only the new positions."""
         start = 0 if cache is None or 'k' not in cache[0]['self'] else cache[0]['self']['k'].size(2)
         x = self.embed_tokens(tgt, start)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory, src_mask, None if cache is None else cache[i])
-        return linear(self.dec_norm(x), self.embed.weight, None, self.packed_embed)
+        return self.dec_norm(x)
+
+    def output(self, x):
+        # Section 3.4: the pre-softmax linear transformation is the embedding matrix.
+        return F.linear(x, self.embed.weight)
 
     def forward(self, src, tgt):
         memory, src_mask = self.encode(src)
-        return self.decode(tgt, memory, src_mask)
+        return self.output(self.decode(tgt, memory, src_mask))
 
     def new_cache(self):
         return [{'self': {}, 'cross': {}} for _ in self.decoder]
 
 
 def extend(past, new, order=None):
-    """Cached keys or values (rows, h, T, d_k) in the row order `order` (reorder_cache), then the new
-    step's: one copy of the history per step where index_select, then torch.cat, would make two."""
+    """Cached keys or values (rows, h, T, d_k), reordered by `order` (reorder_cache), then the new step's,
+    in one copy of the history per step (index_select, then torch.cat, would make two)."""
     T = past.size(2)
     out = new.new_empty(new.size(0), new.size(1), T + new.size(2), new.size(3))
     if order is not None and not torch.compiler.is_compiling():
@@ -285,28 +231,26 @@ def extend(past, new, order=None):
 
 
 def reorder_cache(cache, index, cross_index=None):
-    # The self-attention history follows its rows (beams) through index, moved when the next step
-    # extends it (extend); the cross-attention K/V are one per sentence, shared by its beams, and move
-    # (cross_index) only when finished sentences leave.
+    # Self-attention histories follow their rows (beams) through index, moved by the next extend; the
+    # cross-attention K/V, one per sentence, move only when finished sentences leave (cross_index).
     for layer in cache:
         own = layer['self']
         own['order'] = own['order'][index] if 'order' in own else index
         if cross_index is not None:
             cross = layer['cross']
-            cross['k'], cross['v'] = cross['k'].index_select(0, cross_index), cross['v'].index_select(0, cross_index)
+            cross['k'], cross['v'] = (cross[n].index_select(0, cross_index) for n in ('k', 'v'))
 
 
 def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
-    """Section 5.4. Returns (summed smoothed loss, summed NLL, number of target tokens), all over
-    non-pad targets, so the caller can normalise by tokens across accumulation steps and GPUs.
-    As tensor2tensor and fairseq (not torch's cross_entropy, which spreads eps over all V ids): the
-    target gets 1 - eps and each of the other V - 1 ids eps / (V - 1)."""
+    """Section 5.4. -> (summed smoothed loss, summed NLL, number of target tokens) over non-pad targets,
+    for the caller to normalise by tokens across accumulation steps and GPUs. As tensor2tensor and fairseq
+    (not torch's cross_entropy, which spreads eps over all V ids): the target gets 1 - eps, the others
+    eps / (V - 1)."""
     V = logits.size(-1)
     logp = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)
     target = target.reshape(-1)
     keep = target != pad_id
-    # Masking the per-token sums rather than logp[keep]: no copy of the (tokens x vocab) matrix; where, not a
-    # product, so that a non-finite logit at a pad target stays out of the loss as nll_loss keeps it out.
+    # where, not a product: a non-finite logit at a pad target stays out, as nll_loss keeps it out.
     nll = F.nll_loss(logp, target, ignore_index=pad_id, reduction='sum')
     smooth = -torch.where(keep, logp.sum(dim=-1), 0.0).sum()  # over all V ids, the target's included ...
     eps_i = eps / (V - 1)
@@ -322,25 +266,23 @@ def length_penalty(length, alpha):
 
 
 def max_lengths(model, src, max_len_a, max_len_b):
+    # int(a * |src| + b) as Python (and fairseq) compute it, in float64; clamped to the positional table.
     src_len = (src != model.cfg.pad_id).sum(1)
-    # float64, as int(a * |src| + b) in Python (fairseq, translate.py): float32 lost 1 for some, e.g. 1.3 * 90.
-    # Clamped before the cast: a cap past int64 must not wrap round.
     return (float(max_len_a) * src_len.double() + float(max_len_b)).clamp(1, model.cfg.max_len - 1).long()
 
 
 def next_log_probs(model, tokens, memory, src_mask, cache):
-    logits = model.decode(tokens, memory, src_mask, cache)[:, -1].float()
-    # In place: a new (rows x V) result of tens of MB costs more in page faults than the softmax itself.
-    logp = torch.log_softmax(logits, dim=-1, out=logits)
-    # Never generated, but masked after normalising so scores stay the model's own log-probabilities.
+    logits = model.output(model.decode(tokens, memory, src_mask, cache)[:, -1]).float()
+    logp = torch.log_softmax(logits, dim=-1, out=logits)  # in place: a new (rows x V) one costs page faults
+    # Never generated; masked after normalising so scores stay the model's own log-probabilities.
     logp[:, [model.cfg.pad_id, model.cfg.bos_id]] = -math.inf
     return logp
 
 
 @torch.no_grad()
 def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
-    """Returns, for each sentence, [(tokens without BOS/EOS, summed log-probability)]. A sentence leaves
-    the batch when it ends, so later steps compute only for those still going."""
+    """-> for each sentence [(tokens without BOS/EOS, summed log-probability)]. A sentence leaves the batch
+    when it ends, so later steps compute only for those still going."""
     cfg, B = model.cfg, src.size(0)
     memory, src_mask = model.encode(src)
     limit = max_lengths(model, src, max_len_a, max_len_b)
@@ -383,59 +325,54 @@ def top_tokens(logp, n):
 # score the 2k best candidates, finish the EOS ones among the k best, keep the k best others alive, stop.
 
 def candidates(alive, logp, at_limit, k, eos_id):
-    """The 2k best (beam, token) continuations of each sentence by log-probability so far: 2k so that
-    k are left when up to k of them end in EOS. At the length limit only EOS may follow."""
+    """The 2k best (beam, token) continuations of each sentence: 2k so that k are left when up to k end in
+    EOS. At the length limit only EOS may follow. -> scores, the beam each extends, the token."""
     B, n = alive.size(0), min(2 * k, logp.size(-1))
-    # A beam's own n best tokens hold all it can add to its sentence's 2k best (alive is a constant per
-    # beam), so the sort over k x V shrinks to one over k x n and no (B*k, V) sum is written.
-    lp, tok = top_tokens(logp, n)
+    lp, tok = top_tokens(logp, n)  # a beam's own n best hold all it can add to its sentence's 2k best
     if at_limit.any():
         ended = at_limit.repeat_interleave(k)
         lp[ended], tok[ended] = -math.inf, eos_id
         lp[ended, 0] = logp[ended, eos_id]
     top, idx = (alive[:, :, None] + lp.view(B, k, n)).view(B, -1).topk(2 * k, dim=1)
-    return top, idx // n, tok.view(B, -1).gather(1, idx)  # scores, the beam each extends, the token
+    return top, idx // n, tok.view(B, -1).gather(1, idx)
 
 
 def finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, eos_id):
-    """EOS candidates that rank among the k best join the k best finished hypotheses of their sentence,
-    scored log P / lp(t + 1). Only the k best count, as in fairseq: counting all 2k would make beam 1
-    differ from greedy even at alpha 0 (with alpha > 0 beam 1 may rightly go on past greedy's EOS). An EOS
-    ranked k..2k-1 is dropped; it neither finishes nor stays alive."""
+    """EOS candidates among the k best join the k best finished hypotheses of their sentence, scored
+    log P / lp(t + 1). Only the k best count, as in fairseq, so that beam 1 is greedy at alpha 0."""
     (B, k), L = fin_scores.shape, fin_tokens.size(2) - 1
     finishes = (tok == eos_id) & (torch.arange(2 * k, device=tok.device) < k)
     eos_scores = torch.where(finishes, top / length_penalty(t + 1, alpha), -math.inf)
     hist = tokens.view(B, k, -1).gather(1, src_beam[:, :, None].expand(-1, -1, t + 1))
-    cand_tokens = F.pad(torch.cat([hist[:, :, 1:], tok[:, :, None]], 2), (0, L - t), value=eos_id)  # past EOS: unread
+    cand_tokens = F.pad(torch.cat([hist[:, :, 1:], tok[:, :, None]], 2), (0, L - t), value=eos_id)
     fin_scores, order = torch.cat([fin_scores, eos_scores], 1).topk(k, dim=1)
-    return fin_scores, torch.cat([fin_tokens, cand_tokens], 1).gather(1, order[:, :, None].expand(-1, -1, L + 1))
+    fin_tokens = torch.cat([fin_tokens, cand_tokens], 1).gather(1, order[:, :, None].expand(-1, -1, L + 1))
+    return fin_scores, fin_tokens
 
 
 def keep_alive(top, src_beam, tok, tokens, eos_id):
-    """The k best candidates not ending in EOS become the live beams: a live beam never ends in EOS.
-    -> their scores, their token histories, and the rows each came from (to reorder the cache)."""
+    """The k best candidates not ending in EOS become the live beams. -> their scores, their token
+    histories, and the rows each came from (to reorder the cache)."""
     B, k = top.size(0), top.size(1) // 2
     alive, order = torch.where(tok == eos_id, -math.inf, top).topk(k, dim=1)
     beam_idx = (src_beam.gather(1, order) + torch.arange(B, device=top.device)[:, None] * k).view(-1)
     return alive, torch.cat([tokens[beam_idx], tok.gather(1, order).view(-1, 1)], 1), beam_idx
 
 
-def can_stop(fin_scores, alive, limit, t, alpha, nbest, early_stop=False):
-    """A sentence is done when its nbest-th finished score beats the best its best live beam can still
-    reach (tensor2tensor's rule for the hypotheses returned: log-probabilities only fall, so that is its
-    current log-probability under the largest length penalty it can reach), or at its length limit.
-    early_stop: fairseq's and CTranslate2's rule instead, once k hypotheses have finished; fewer steps,
-    and a live beam that would have scored better is lost."""
-    if early_stop:
-        return (fin_scores[:, -1] > -math.inf) | (t + 1 >= limit)
-    return (fin_scores[:, nbest - 1] >= alive[:, 0] / length_penalty(limit.float(), alpha)) | (t + 1 >= limit)
+def can_stop(fin_scores, alive, limit, t, alpha, nbest, exact=False):
+    """A sentence is done at its length limit, or, as in fairseq and CTranslate2, once k hypotheses have
+    finished. exact: only when its nbest-th finished score beats the best its best live beam can still
+    reach (tensor2tensor's rule: its log-probability under the largest length penalty it can reach)."""
+    if exact:
+        best_reachable = alive[:, 0] / length_penalty(limit.float(), alpha)
+        return (fin_scores[:, nbest - 1] >= best_reachable) | (t + 1 >= limit)
+    return (fin_scores[:, -1] > -math.inf) | (t + 1 >= limit)
 
 
 @torch.no_grad()
-def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbest=1, early_stop=False):
-    """Batched over sentences x beams. Returns, for each sentence, the nbest [(tokens, score)]
-    sorted by score = log P(Y|X) / lp(|Y|), |Y| counting EOS. A sentence decodes until no live beam
-    can enter its nbest (can_stop), not until the first k hypotheses finish (early_stop=True: until then)."""
+def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbest=1, exact=False):
+    """Batched over sentences x beams. -> for each sentence the nbest [(tokens, score)], best first,
+    score = log P(Y|X) / lp(|Y|) with |Y| counting EOS. Stops as can_stop says."""
     cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
     memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
     limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
@@ -453,11 +390,11 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
         else:
             logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
         top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
-        fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, cfg.eos_id)
+        fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha,
+                                        cfg.eos_id)
         alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
-        # After step 0 the cache has one row per sentence.
-        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)
-        done = can_stop(fin_scores, alive, limit, t, alpha, nbest, early_stop)
+        reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)  # after step 0: one row per sentence
+        done = can_stop(fin_scores, alive, limit, t, alpha, nbest, exact)
         if done.any():
             out_scores[active[done]], out_tokens[active[done]] = fin_scores[done], fin_tokens[done]
             keep = (~done).nonzero().squeeze(1)

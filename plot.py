@@ -5,18 +5,21 @@ checkpoint's forward pass (the paper's appendix figures).
     python plot.py curves out/multi30k_en_de -o curves.png                  # one run
     python plot.py curves out/pilot_a out/pilot_b -o curves.png --x minutes  # runs overlaid
     python plot.py attention --ckpt out/multi30k_en_de/ckpt.pt --src "A man is riding a bike." -o attn.png
-    python plot.py attention --ckpt out/multi30k_en_de/ckpt.pt --src "..." --tgt "..." --layers 0 -1 --heads 0 1
+    python plot.py attention --ckpt out/multi30k_en_de/ckpt.pt --src "..." --tgt "..." \
+        --layers 0 -1 --heads 0 1
 
 A figure goes to the -o file; on a machine with a display it is also shown on screen (--no-show: not).
 """
 import argparse
 import json
+import math
 import os
 import sys
 
 import numpy as np
 import torch
 
+import data_prep
 import model as M
 import translate
 
@@ -38,28 +41,29 @@ def pyplot(show):
 
 
 def has_display():
-    return sys.platform in ('darwin', 'win32') or bool(os.environ.get('DISPLAY') or os.environ.get('WAYLAND_DISPLAY'))
+    env = os.environ
+    return sys.platform in ('darwin', 'win32') or bool(env.get('DISPLAY') or env.get('WAYLAND_DISPLAY'))
 
 
 def figure_path(path):
-    """The -o file, checked before any work: a format matplotlib writes (PNG without an extension), and a
-    file that can be written (translate.output_path), its folder made if need be."""
+    """The -o file, checked before any work: a format matplotlib writes (PNG without an extension), not a
+    folder, its folder made if need be."""
     from matplotlib.backend_bases import FigureCanvasBase
     formats = FigureCanvasBase.get_supported_filetypes()
     if os.path.splitext(path)[1][1:].lower() not in ('', *formats):
         fail(f"-o {path}: matplotlib writes {', '.join(sorted(formats))}, not {os.path.splitext(path)[1]}")
-    if translate.is_stream(path):
-        fail(f"-o {path}: a figure is written to a file")
+    if os.path.isdir(path):
+        fail(f"-o {path} is a folder")
     try:
         os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     except OSError as e:
         fail(f"-o {path}: cannot make the folder {os.path.dirname(path)}: {e.strerror}")
-    return translate.output_path('-o', path, [])
+    return path
 
 
 def save(fig, plt, path, show):
     # Written under a temporary name, then renamed: a reader never sees half a PNG under the real name.
-    tmp = translate.temporary(path)
+    tmp = data_prep.temporary(path)
     try:
         fig.savefig(tmp, format=os.path.splitext(path)[1][1:] or 'png', dpi=110, bbox_inches='tight')
         os.replace(tmp, path)
@@ -99,7 +103,8 @@ def read_log(path):
             else:
                 bad += line.strip() != ''
     if bad:
-        print(f"plot.py: warning: {path}: skipped {bad} line(s) that are not train.py's records", file=sys.stderr)
+        print(f"plot.py: warning: {path}: skipped {bad} line(s) that are not train.py's records",
+              file=sys.stderr)
     if odd:
         print(f"plot.py: warning: {path}: {odd} non-finite value(s), not drawn", file=sys.stderr)
     train, evals, offset, last = [], [], 0.0, 0.0
@@ -127,7 +132,8 @@ def read_log(path):
     return train, evals
 
 
-NUMBERS = ('loss', 'lr', 'tok_per_s', 'elapsed_min', 'valid_loss', 'valid_bleu')  # what read_log and the panels use
+# What read_log and the panels use:
+NUMBERS = ('loss', 'lr', 'tok_per_s', 'elapsed_min', 'valid_loss', 'valid_bleu')
 PANELS = [  # (title, 0: training or 1: evaluation records, key)
     ('training loss (label-smoothed)', 0, 'loss'), ('validation loss (label-smoothed)', 1, 'valid_loss'),
     ('validation BLEU', 1, 'valid_bleu'), ('learning rate', 0, 'lr'), ('target tokens/s', 0, 'tok_per_s')]
@@ -140,8 +146,8 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
     for run, (train, _) in zip(runs, logs):
         if x == 'minutes' and not train:  # evaluation records carry no clock of their own
             fail(f"{run}: log.jsonl has no training records, so no minutes: plot it with --x step")
-    labels = labels or [os.path.basename(os.path.normpath(r if os.path.isdir(r) else os.path.dirname(r) or '.'))
-                        for r in runs]
+    folders = [r if os.path.isdir(r) else os.path.dirname(r) or '.' for r in runs]
+    labels = labels or [os.path.basename(os.path.normpath(f)) for f in folders]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     axes = axes.ravel()
     for ax, (title, which, key) in zip(axes, PANELS):
@@ -149,17 +155,19 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
             pts = [(r[x], r[key]) for r in log[which] if key in r]
             if pts:  # evaluations are few: markers show where they were taken; so does a lone point, no line
                 # Ten colours, then the next line style: run 10 is not drawn as run 0 again.
-                ax.plot(*zip(*pts), color=f'C{i % 10}', linestyle=('-', '--', ':', '-.')[i // 10 % 4], label=label,
-                        marker='o' if which or len(pts) == 1 else None, markersize=3)
+                ax.plot(*zip(*pts), color=f'C{i % 10}', linestyle=('-', '--', ':', '-.')[i // 10 % 4],
+                        label=label, marker='o' if which or len(pts) == 1 else None, markersize=3)
         if not ax.lines:
-            ax.text(0.5, 0.5, 'not in the log', ha='center', va='center', transform=ax.transAxes, color='gray')
+            ax.text(0.5, 0.5, 'not in the log', ha='center', va='center', transform=ax.transAxes,
+                    color='gray')
         ax.set_title(title)
         ax.set_xlabel('minutes' if x == 'minutes' else 'step')
         ax.grid(alpha=0.3)
     axes[3].ticklabel_format(axis='y', style='sci', scilimits=(-3, 3))
     # The sixth cell holds the legend: one entry per run, shared by all panels.
     axes[5].axis('off')
-    # Keyed by colour and style, not label: two runs of one folder name (out/NAME in two checkouts) are two entries.
+    # Keyed by colour and style, not label: two runs of one folder name (out/NAME in two checkouts) are two
+    # entries.
     handles = {(line.get_color(), line.get_linestyle()): line for ax in axes[:5] for line in ax.lines}
     axes[5].legend(handles.values(), [h.get_label() for h in handles.values()], loc='center', title='run')
     fig.tight_layout()
@@ -172,21 +180,41 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
 KINDS = ('encoder', 'decoder', 'cross')  # encoder and decoder self-attention, encoder-decoder attention
 
 
+def weights_of(attn, x, memory=None, mask=None, causal=False, **_):
+    """softmax(Q K^T / sqrt(d_k)) of one model.MultiHeadAttention call without a cache, masked as SDPA masks
+    it: (B, h, queries, keys)."""
+    if attn.cross:
+        q, k = attn.heads(attn.q_proj(x)), attn.heads(attn.kv_proj(memory).chunk(2, dim=-1)[0])
+    else:
+        q, k = map(attn.heads, attn.qkv_proj(x).chunk(3, dim=-1)[:2])
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if causal:  # top-left aligned, as SDPA's is_causal
+        tril = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        mask = tril if mask is None else mask & tril
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    return s.softmax(-1).nan_to_num(0.0)  # a query whose keys are all masked gets SDPA's zeros, not 0/0
+
+
 def attention_weights(model, src, tgt_in):
-    """The weights of one teacher-forced forward pass: {kind: [per layer (B, h, queries, keys)]}."""
-    mods = dict(zip(KINDS, ([layer.self_attn for layer in model.encoder], [layer.self_attn for layer in model.decoder],
+    """The weights of one teacher-forced forward pass: {kind: [per layer (B, h, queries, keys)]}, computed
+    from each attention's inputs, caught by a forward pre-hook."""
+    mods = dict(zip(KINDS, ([layer.self_attn for layer in model.encoder],
+                            [layer.self_attn for layer in model.decoder],
                             [layer.cross_attn for layer in model.decoder])))
-    everything = [m for ms in mods.values() for m in ms]
+    found = {}
+
+    def hook(m, args, kwargs):
+        found[m] = weights_of(m, **dict(zip(('x', 'memory', 'mask', 'causal'), args)), **kwargs)
+
+    hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for ms in mods.values() for m in ms]
     try:
-        for m in everything:
-            m.keep_weights = True
         with torch.no_grad():
             model(src, tgt_in)
-        return {kind: [m.weights for m in ms] for kind, ms in mods.items()}
     finally:
-        for m in everything:
-            m.keep_weights = False
-            vars(m).pop('weights', None)  # no stale tensors left on the model
+        for h in hooks:
+            h.remove()
+    return {kind: [found[m] for m in ms] for kind, ms in mods.items()}
 
 
 def token_labels(enc, tokens):
@@ -207,7 +235,8 @@ def heatmap(ax, w, rows, cols, title, colorbar=False):
         ax.figure.colorbar(im, cax=make_axes_locatable(ax).append_axes('right', size=0.15, pad=0.1))
 
 
-def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None, kinds=KINDS, beam=4, show=False):
+def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None, kinds=KINDS, beam=4,
+                   show=False):
     plt = pyplot(show)
     out = figure_path(out)
     if os.path.isdir(ckpt):  # not translate.py's advice, which names its own --average-last
@@ -229,7 +258,8 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
         fail(f"--src has {len(src_tok)} tokens; {ckpt} allows at most {cfg.max_len - 1}")
     src = torch.tensor([src_tok])
     if tgt_text is None:  # the model's own translation, token for token as it was decoded
-        tgt_tok = M.beam_search(model, src, beam=beam, alpha=translate.default_lenpen(saved))[0][0][0]  # translate.py's
+        # translate.py's search: its default stopping rule, the checkpoint's length penalty
+        tgt_tok = M.beam_search(model, src, beam=beam, alpha=translate.default_lenpen(saved))[0][0][0]
         tgt_text = enc.decode([t for t in tgt_tok if t < enc.n_vocab])
         print(f"plot.py: translation: {tgt_text}")
     else:
@@ -282,7 +312,8 @@ def main(argv=None):
     a.add_argument('--tgt', help="target sentence (default: the model's own beam-search translation)")
     a.add_argument('--layers', type=int, nargs='+', default=[-1], help="layer indices, -1 = last")
     a.add_argument('--heads', type=int, nargs='+', help="head indices (default: all)")
-    a.add_argument('--kinds', nargs='+', choices=KINDS, default=list(KINDS), help="which attentions (default: all)")
+    a.add_argument('--kinds', nargs='+', choices=KINDS, default=list(KINDS),
+                   help="which attentions (default: all)")
     a.add_argument('--beam', type=int, default=4)
     a.add_argument('-o', '--out', default='attention.png')
     for q in (c, a):
@@ -296,7 +327,8 @@ def main(argv=None):
             p.error(f"{len(args.labels)} labels for {len(args.runs)} runs")
         plot_curves(args.runs, args.out, args.x, args.labels, show)
     else:
-        plot_attention(args.ckpt, args.src, args.out, args.tgt, args.layers, args.heads, args.kinds, args.beam, show)
+        plot_attention(args.ckpt, args.src, args.out, args.tgt, args.layers, args.heads, args.kinds,
+                       args.beam, show)
 
 
 if __name__ == '__main__':

@@ -45,9 +45,11 @@ def pseudo_words(n, rng):
 
 def make_pairs(src_lines, tgt_lines, n, rng, words=(), rare=0.04, zipf=1.1):
     """Yield n (src, tgt) lines built from the given parallel sentences as the module docstring says, with
-    the share `rare` of words drawn from the pseudo-words `words` (one pool for all splits, as one language)."""
+    the share `rare` of words drawn from the pseudo-words `words` (one pool for all splits, as one
+    language)."""
     pairs = [(s.split(), t.split()) for s, t in zip(src_lines, tgt_lines)]
-    src_words, tgt_words = zip(*[(s, t) for s, t in pairs if s and t])  # a word replaced needs one on each side
+    # A word replaced needs one on each side.
+    src_words, tgt_words = zip(*[(s, t) for s, t in pairs if s and t])
     order = rng.permutation(len(src_words))
     pos, chunk = 0, 100_000
     for start in range(0, n, chunk):
@@ -92,8 +94,8 @@ def corpus(args):
     held_out = [read('val', lang) for lang in langs]
     for name, (src, tgt) in (('train', train), ('val', held_out)):
         if len(src) != len(tgt) or not any(s.split() and t.split() for s, t in zip(src, tgt)):
-            sys.exit(f"error: {os.path.join(args.multi30k, f'{name}.{args.src}.gz')} has {len(src)} lines and "
-                     f"{name}.{args.tgt}.gz {len(tgt)}: a parallel corpus needs as many, not all empty")
+            sys.exit(f"error: {os.path.join(args.multi30k, f'{name}.{args.src}.gz')} has {len(src)} lines "
+                     f"and {name}.{args.tgt}.gz {len(tgt)}: a parallel corpus needs as many, not all empty")
     data_prep.make_writable(args.out, '--out')
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
@@ -124,8 +126,8 @@ def loader(args):
         if not plan:
             sys.exit(f'error: max_tokens {max_tokens} is below every pair of {args.data}: no batch to build')
         if over:
-            print(f'max_tokens {max_tokens}: {over:,} pairs over max_tokens {max_tokens} left out, as train.py '
-                  f'leaves them')
+            print(f'max_tokens {max_tokens}: {over:,} pairs over max_tokens {max_tokens} left out, as '
+                  f'train.py leaves them')
         n = min(len(plan), args.batches)
         t0 = time.time()
         for ids in plan[:n]:
@@ -142,7 +144,6 @@ def checkpoints(args):
     import torch
 
     import model as M
-    import translate
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for name, n_avg in (('base', 5), ('big', 20)):
             cfg = M.preset(name, vocab_size=37000)
@@ -156,18 +157,19 @@ def checkpoints(args):
             paths = []
             for i in range(n_avg):
                 paths.append(os.path.join(tmp, f'ckpt_{i:07d}.pt'))
-                translate.save_atomic(weights, paths[-1])
+                data_prep.save_atomic(weights, paths[-1])
             t_write = (time.time() - t0) / n_avg
             t0 = time.time()
-            translate.save_atomic({**weights, 'optimizer': opt.state_dict()}, os.path.join(tmp, 'state.pt'))
+            data_prep.save_atomic({**weights, 'optimizer': opt.state_dict()}, os.path.join(tmp, 'state.pt'))
             t_state = time.time() - t0
             t0 = time.time()
-            translate.average_checkpoints(paths)
+            data_prep.average_checkpoints(paths)
             t_avg = time.time() - t0
             gb = lambda p: os.path.getsize(p) / 1e9
-            print(f'{name}: {m.num_params() / 1e6:.0f}M parameters; ckpt_STEP.pt {gb(paths[0]):.2f} GB written in '
-                  f'{t_write:.1f}s; state_STEP.pt {gb(os.path.join(tmp, "state.pt")):.2f} GB in {t_state:.1f}s; '
-                  f'averaging {n_avg} in {t_avg:.1f}s; peak RSS {peak_rss_gb():.2f} GB', flush=True)
+            print(f'{name}: {m.num_params() / 1e6:.0f}M parameters; ckpt_STEP.pt {gb(paths[0]):.2f} GB '
+                  f'written in {t_write:.1f}s; state_STEP.pt {gb(os.path.join(tmp, "state.pt")):.2f} GB in '
+                  f'{t_state:.1f}s; averaging {n_avg} in {t_avg:.1f}s; peak RSS {peak_rss_gb():.2f} GB',
+                  flush=True)
             for p in os.listdir(tmp):
                 os.remove(os.path.join(tmp, p))
             del m, opt, weights
@@ -194,14 +196,12 @@ def main(argv=None):
     k = sub.add_parser('checkpoints', help='time writing and averaging base and big checkpoints')
     k.add_argument('--dir', default='.', help='where the temporary checkpoints go')
     args = p.parse_args(argv)
-    if args.cmd == 'corpus' and (args.pairs < 1 or args.held_out < 1 or not 0 <= args.rare < 1 or args.seed < 0
-                                 or args.pool < 1):
+    if args.cmd == 'corpus' and (args.pairs < 1 or args.held_out < 1 or not 0 <= args.rare < 1
+                                 or args.seed < 0 or args.pool < 1):
         p.error('need --pairs >= 1, --held-out >= 1, --pool >= 1, --seed >= 0 and 0 <= --rare < 1')
     if args.cmd == 'corpus' and args.src == args.tgt:  # both sides would be written to one file
         p.error(f'--src and --tgt are both {args.src}')
-    if args.cmd == 'corpus' and os.path.exists(args.out) and not os.path.isdir(args.out):
-        p.error(f'--out {args.out} is a file: give a folder')
-    if args.cmd == 'corpus' and not args.force:  # a real corpus of those names is not replaced by a synthetic one
+    if args.cmd == 'corpus' and not args.force:  # a real corpus of these names is not replaced by a fake
         there = [f'{split}.{lang}.gz' for split in ('train', 'valid', 'test') for lang in (args.src, args.tgt)
                  if os.path.exists(os.path.join(args.out, f'{split}.{lang}.gz'))]
         if there:

@@ -7,15 +7,24 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-import translate as T
 
 PAD, BOS, EOS = 0, 1, 2
 
 
 def tiny(pre_norm=False, vocab=24, **kw):
     torch.manual_seed(0)
-    cfg = M.Config(vocab_size=vocab, n_enc_layers=2, n_dec_layers=2, d_model=32, d_ff=64, n_heads=4,
-                   dropout=0.0, pre_norm=pre_norm, max_len=64, **kw)
+    cfg = M.Config(
+        vocab_size=vocab,
+        n_enc_layers=2,
+        n_dec_layers=2,
+        d_model=32,
+        d_ff=64,
+        n_heads=4,
+        dropout=0.0,
+        pre_norm=pre_norm,
+        max_len=64,
+        **kw,
+    )
     return M.Transformer(cfg).eval()
 
 
@@ -43,11 +52,13 @@ def test_padding_never_changes_real_positions(pre_norm):
     m = tiny(pre_norm)
     src, tgt = [5, 6, 7, EOS], [BOS, 8, 9]
     alone = m(torch.tensor([src]), torch.tensor([tgt]))[0]
-    batch = m(pad_batch([[3, 4, 5, 6, 7, 8, 9, 10, EOS], src, [4] * 12 + [EOS]]),
-              pad_batch([[BOS, 3, 3, 3, 3, 3, 3], tgt, [BOS, 9]]))[1, :len(tgt)]
+    batch = m(
+        pad_batch([[3, 4, 5, 6, 7, 8, 9, 10, EOS], src, [4] * 12 + [EOS]]),
+        pad_batch([[BOS, 3, 3, 3, 3, 3, 3], tgt, [BOS, 9]]),
+    )[1, : len(tgt)]
     torch.testing.assert_close(batch, alone, atol=1e-5, rtol=0)
     mem_alone = m.encode(torch.tensor([src]))[0][0]
-    mem_batch = m.encode(pad_batch([[4] * 10 + [EOS], src]))[0][1, :len(src)]
+    mem_batch = m.encode(pad_batch([[4] * 10 + [EOS], src]))[0][1, : len(src)]
     torch.testing.assert_close(mem_batch, mem_alone, atol=1e-5, rtol=0)
 
 
@@ -71,7 +82,7 @@ def test_cache_matches_full_forward(pre_norm):
     memory, src_mask = m.encode(src)
     cache = m.new_cache()
     for t in range(tgt.size(1)):
-        step = m.decode(tgt[:, t:t + 1], memory, src_mask, cache)[:, 0]
+        step = m.output(m.decode(tgt[:, t : t + 1], memory, src_mask, cache))[:, 0]
         torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
 
 
@@ -84,7 +95,7 @@ def test_beams_share_one_copy_of_the_source():
     torch.testing.assert_close(m.decode(tgt, memory, src_mask), repeated, atol=1e-5, rtol=0)
     cache = m.new_cache()
     for t in range(tgt.size(1)):
-        step = m.decode(tgt[:, t:t + 1], memory, src_mask, cache)[:, 0]
+        step = m.decode(tgt[:, t : t + 1], memory, src_mask, cache)[:, 0]
         torch.testing.assert_close(step, repeated[:, t], atol=1e-5, rtol=0)
 
 
@@ -94,10 +105,12 @@ def test_cached_decoding_compiles_as_one_graph():
     memory, src_mask = m.encode(pad_batch([[5, 6, 7, EOS], [9, 10, EOS]]))
     step = torch.compile(m.decode, backend='eager', fullgraph=True, dynamic=True)
     eager_cache, cache, order = m.new_cache(), m.new_cache(), torch.tensor([1, 0])
-    with torch.no_grad(), T.packed_weights(m):
+    with torch.no_grad():
         for t in range(3):
             tok = torch.full((2, 1), 3 + t)
-            torch.testing.assert_close(step(tok, memory, src_mask, cache), m.decode(tok, memory, src_mask, eager_cache))
+            torch.testing.assert_close(
+                step(tok, memory, src_mask, cache), m.decode(tok, memory, src_mask, eager_cache)
+            )
             M.reorder_cache(cache, order)
             M.reorder_cache(eager_cache, order)
 
@@ -167,8 +180,9 @@ def test_label_smoothing_gives_eps_over_the_other_classes_and_ignores_pad():
     per_token = -(q * F.log_softmax(logits.view(-1, V), -1)).sum(-1)
     assert ntok.item() == 8
     torch.testing.assert_close(loss, per_token[target.view(-1) != PAD].sum())
-    torch.testing.assert_close(nll, F.cross_entropy(logits.view(-1, V), target.view(-1), ignore_index=PAD,
-                                                    reduction='sum'))
+    torch.testing.assert_close(
+        nll, F.cross_entropy(logits.view(-1, V), target.view(-1), ignore_index=PAD, reduction='sum')
+    )
 
 
 def test_a_non_finite_logit_at_a_pad_target_leaves_the_loss_alone():
@@ -182,26 +196,20 @@ def test_a_non_finite_logit_at_a_pad_target_leaves_the_loss_alone():
         torch.testing.assert_close(a, b)
 
 
-def test_explicit_attention_weights_over_only_padding_are_sdpas_zeros():
-    attn = M.MultiHeadAttention(M.Config(d_model=16, n_heads=4, dropout=0.0)).eval()
-    x, mask = torch.randn(2, 3, 16), torch.tensor([[True, True, False], [False, False, False]])[:, None, None, :]
-    with torch.no_grad():
-        fast = attn(x, mask=mask)
-        attn.keep_weights = True
-        explicit = attn(x, mask=mask)
-    torch.testing.assert_close(explicit, fast)
-
-
 def test_init_is_xavier_per_matrix_of_the_paper():
     # Q, K and V each Xavier as their own d x d matrix; the FFN and output projections plain Xavier.
     torch.manual_seed(0)
     d, ff = 64, 512
     m = M.Transformer(M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=d, d_ff=ff, n_heads=4))
     layer = m.decoder[0]
-    for w, fan_sum in [(layer.ffn.w1.weight, d + ff), (layer.ffn.w2.weight, d + ff),
-                       (layer.self_attn.out_proj.weight, 2 * d), (layer.cross_attn.q_proj.weight, 2 * d),
-                       *[(w, 2 * d) for w in layer.self_attn.qkv_proj.weight.split(d)],
-                       *[(w, 2 * d) for w in layer.cross_attn.kv_proj.weight.split(d)]]:
+    for w, fan_sum in [
+        (layer.ffn.w1.weight, d + ff),
+        (layer.ffn.w2.weight, d + ff),
+        (layer.self_attn.out_proj.weight, 2 * d),
+        (layer.cross_attn.q_proj.weight, 2 * d),
+        *[(w, 2 * d) for w in layer.self_attn.qkv_proj.weight.split(d)],
+        *[(w, 2 * d) for w in layer.cross_attn.kv_proj.weight.split(d)],
+    ]:
         bound = (6 / fan_sum) ** 0.5
         assert 0.95 * bound < w.abs().max().item() <= bound
 
@@ -258,6 +266,9 @@ class Scripted(torch.nn.Module):
                 logp[row, tok] = math.log(pr)
         return logp[:, None, :]
 
+    def output(self, x):
+        return x
+
 
 def test_candidates_match_a_sort_over_every_beam_and_token():
     torch.manual_seed(1)
@@ -279,47 +290,66 @@ def test_top_tokens_equal_topk():
     torch.manual_seed(0)
     logp = F.log_softmax(torch.randn(50, 8 * 97) * 4, -1)
     logp[:5, :20] = -math.inf
-    logp[5:10, torch.arange(8) * 97 + 3] = torch.arange(8.)  # the 8 best all in one group of columns
+    logp[5:10, torch.arange(8) * 97 + 3] = torch.arange(8.0)  # the 8 best all in one group of columns
     for n in (1, 8, 97):
         want, got = logp.topk(n, dim=1), M.top_tokens(logp, n)
         assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
-    assert torch.equal(M.top_tokens(logp[:, :99], 8)[1], logp[:, :99].topk(8, dim=1).indices)  # V not a multiple of 8
+    assert torch.equal(
+        M.top_tokens(logp[:, :99], 8)[1], logp[:, :99].topk(8, dim=1).indices
+    )  # V not a multiple of 8
 
 
-def test_stopping_early_never_changes_the_nbest(monkeypatch):
-    # can_stop ends a sentence once no live beam can enter its nbest: decoding on to the length limit
-    # must return the same nbest hypotheses and scores.
+def test_exact_stopping_never_changes_the_nbest(monkeypatch):
+    # exact: can_stop ends a sentence once no live beam can enter its nbest; decoding on to the length
+    # limit must return the same nbest hypotheses and scores.
     m = tiny(vocab=12)
     torch.manual_seed(2)
     src = pad_batch([torch.randint(3, 12, (n,)).tolist() + [EOS] for n in (1, 3, 4, 6, 2, 5, 7, 3)])
     for alpha in (0.0, 0.6, 1.0):
-        early = {n: M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=n) for n in (1, 4)}
+        early = {
+            n: M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=n, exact=True) for n in (1, 4)
+        }
         with monkeypatch.context() as mp:
-            mp.setattr(M, 'can_stop', lambda fin, alive, limit, t, alpha, nbest, early: t + 1 >= limit)
+            mp.setattr(M, 'can_stop', lambda fin, alive, limit, t, alpha, nbest, exact: t + 1 >= limit)
             full = M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=4)
         for n in (1, 4):  # scores to float precision: the batch shrinks at other steps
             assert [[h for h, _ in hyps[:n]] for hyps in full] == [[h for h, _ in hyps] for hyps in early[n]]
-            assert [s for hyps in full for _, s in hyps[:n]] == pytest.approx([s for hyps in early[n] for _, s in hyps], abs=1e-4)
+            want = [s for hyps in early[n] for _, s in hyps]
+            assert [s for hyps in full for _, s in hyps[:n]] == pytest.approx(want, abs=1e-4)
     # The first hypothesis to finish ([] at 0.4) is not the best ([3] at 0.6 x 0.9): no stop before it.
-    scripted = Scripted({(): {3: .6, EOS: .4}, (3,): {EOS: .9, 4: .1}}, {EOS: .99, 3: .005, 4: .003, 5: .002})
-    assert M.beam_search(scripted, torch.tensor([[3, EOS]]), beam=2, alpha=0.0, max_len_b=6)[0][0][0] == [3]
+    scripted = Scripted(
+        {(): {3: 0.6, EOS: 0.4}, (3,): {EOS: 0.9, 4: 0.1}}, {EOS: 0.99, 3: 0.005, 4: 0.003, 5: 0.002}
+    )
+    assert M.beam_search(scripted, torch.tensor([[3, EOS]]), beam=2, alpha=0.0, max_len_b=6, exact=True)[0][
+        0
+    ][0] == [3]
 
 
-def test_early_stop_ends_a_sentence_at_k_finished_hypotheses():
-    # fairseq's and CTranslate2's rule: [] and [3] finish first and end a beam of 2, though [3, 5] scores higher.
-    table = {(): {3: .9, EOS: .06, 4: .04}, (3,): {5: .9, EOS: .1}, (4,): {EOS: 1.0}, (3, 5): {EOS: .9, 4: .1}}
-    scripted, src = Scripted(table, {EOS: .99, 3: .005, 4: .003, 5: .002}), torch.tensor([[3, EOS]])
-    assert M.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6)[0][0][0] == [3, 5]
-    early = M.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6, nbest=2, early_stop=True)[0]
+def test_beam_search_stops_at_k_finished_hypotheses_unless_exact():
+    # fairseq's and CTranslate2's rule, the default: [] and [3] finish first and end a beam of 2, though
+    # [3, 5] scores higher; the exact rule finds it.
+    table = {
+        (): {3: 0.9, EOS: 0.06, 4: 0.04},
+        (3,): {5: 0.9, EOS: 0.1},
+        (4,): {EOS: 1.0},
+        (3, 5): {EOS: 0.9, 4: 0.1},
+    }
+    scripted, src = Scripted(table, {EOS: 0.99, 3: 0.005, 4: 0.003, 5: 0.002}), torch.tensor([[3, EOS]])
+    assert M.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6, exact=True)[0][0][0] == [3, 5]
+    early = M.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6, nbest=2)[0]
     assert [h for h, _ in early] == [[3], []]
 
 
 def test_beam_never_keeps_an_eos_candidate_alive():
     # Step 2 ranks [3 EOS] > [3 5] > [4 EOS] > [4 5]: [4 EOS] ranks k..2k-1 for k = 2, so it must be
     # dropped, not kept alive to finish later as '[4]' with the score of a longer sequence.
-    table = {(): {3: .5, 4: .3, EOS: .1, 5: .1}, (3,): {EOS: .6, 5: .3, 3: .05, 4: .05},
-             (4,): {EOS: .4, 5: .3, 3: .2, 4: .1}, (3, 5): {EOS: .2, 3: .4, 4: .2, 5: .2}}
-    default = {EOS: .99, 3: .005, 4: .003, 5: .002}
+    table = {
+        (): {3: 0.5, 4: 0.3, EOS: 0.1, 5: 0.1},
+        (3,): {EOS: 0.6, 5: 0.3, 3: 0.05, 4: 0.05},
+        (4,): {EOS: 0.4, 5: 0.3, 3: 0.2, 4: 0.1},
+        (3, 5): {EOS: 0.2, 3: 0.4, 4: 0.2, 5: 0.2},
+    }
+    default = {EOS: 0.99, 3: 0.005, 4: 0.003, 5: 0.002}
     m = Scripted(table, default)
 
     def score(hyp, alpha):
@@ -339,22 +369,27 @@ def test_beam_never_keeps_an_eos_candidate_alive():
 def test_outputs_respect_max_length():
     m = tiny(vocab=12)
     src = pad_batch([[5, 6, 7, EOS], [9, EOS]])
-    for hyps in M.beam_search(m, src, beam=3, max_len_a=0, max_len_b=3, nbest=3) + M.greedy_decode(m, src, 0, 3):
+    for hyps in M.beam_search(m, src, beam=3, max_len_a=0, max_len_b=3, nbest=3) + M.greedy_decode(
+        m, src, 0, 3
+    ):
         assert all(len(h) <= 2 for h, _ in hyps)  # 3 positions: at most 2 tokens and EOS
 
 
 def test_tiny_model_learns_to_copy():
     torch.manual_seed(0)
     V, steps = 13, 400
-    cfg = M.Config(vocab_size=V, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4,
-                   dropout=0.0, max_len=32)  # post-norm, as the paper
+    cfg = M.Config(
+        vocab_size=V, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4, dropout=0.0, max_len=32
+    )  # post-norm, as the paper
     m = M.Transformer(cfg)
     opt = torch.optim.Adam(m.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / 50) * max(0.05, 1 - s / steps))
 
     def batch(n, g=None):
-        seqs = [torch.randint(3, V, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-                for _ in range(n)]
+        seqs = [
+            torch.randint(3, V, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)
+        ]
         return seqs, pad_batch([s + [EOS] for s in seqs])
 
     for step in range(steps):
@@ -371,53 +406,37 @@ def test_tiny_model_learns_to_copy():
     assert [h[0][0] for h in M.beam_search(m, src, beam=4)] == seqs
 
 
-def test_import_has_no_side_effects():
-    out = subprocess.run([sys.executable, '-c', 'import model'], capture_output=True, text=True, cwd=M.__file__.rsplit('/', 1)[0])
-    assert out.returncode == 0 and out.stdout == '' and out.stderr == ''
+def test_import_changes_no_global_setting():
+    code = (
+        'import torch; before = [torch.backends.cuda.cudnn_sdp_enabled(), '
+        'torch.backends.cuda.flash_sdp_enabled(), '
+        'torch.get_default_dtype()]; import model; print(before == [torch.backends.cuda.cudnn_sdp_enabled(), '
+        'torch.backends.cuda.flash_sdp_enabled(), torch.get_default_dtype()])'
+    )
+    out = subprocess.run(
+        [sys.executable, '-c', code], capture_output=True, text=True, cwd=M.__file__.rsplit('/', 1)[0]
+    )
+    assert out.stdout == 'True\n' and out.stderr == ''
 
 
-def test_importing_model_keeps_attention_off_cudnn():
-    # cuDNN's attention plans per new shape: bf16 steps of token batches ran 6.7x slower on an H100 (README, GPU).
-    code = ('import torch; on = torch.backends.cuda.cudnn_sdp_enabled(); import model; '
-            'print(on, torch.backends.cuda.cudnn_sdp_enabled())')
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=M.__file__.rsplit('/', 1)[0])
-    assert out.stdout.split() == ['True', 'False'], out.stderr
-
-
-def test_dropout_keeps_each_element_with_1_minus_p_and_rescales():
-    torch.manual_seed(0)
-    drop, x = M.Dropout(0.2), torch.ones(200_000, requires_grad=True)
-    y = drop.train()(x)
-    kept = y != 0
-    assert abs(kept.float().mean().item() - 0.8) < 0.005
-    assert torch.allclose(y[kept], torch.tensor(1.25))
-    y.sum().backward()
-    assert torch.equal(x.grad, y.detach())  # the gradient goes through the same mask and scale
-    assert drop.eval()(x) is x
-    assert drop.train()(x.detach().bfloat16()).dtype == torch.bfloat16
-
-
-
-@pytest.mark.parametrize('keep_weights', [False, True])
-def test_cache_takes_several_new_positions_at_once(keep_weights):
+def test_cache_takes_several_new_positions_at_once():
     # decode's cache holds earlier positions and tgt the new ones: a prefix of 4, then 3 more in one call.
     m = tiny(pre_norm=True)
-    for mod in m.modules():
-        if isinstance(mod, M.MultiHeadAttention):
-            mod.keep_weights = keep_weights
     src = pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]])
     tgt = torch.randint(3, 24, (2, 9))
-    full = m(src, tgt)
+    full = m.decode(tgt, *m.encode(src))
     memory, src_mask = m.encode(src)
     cache = m.new_cache()
-    torch.testing.assert_close(m.decode(tgt[:, :4], memory, src_mask, cache), full[:, :4], atol=1e-5, rtol=0)
-    torch.testing.assert_close(m.decode(tgt[:, 4:7], memory, src_mask, cache), full[:, 4:7], atol=1e-5, rtol=0)
-    torch.testing.assert_close(m.decode(tgt[:, 7:], memory, src_mask, cache), full[:, 7:], atol=1e-5, rtol=0)
+    for a, b in ((0, 4), (4, 7), (7, 9)):
+        torch.testing.assert_close(
+            m.decode(tgt[:, a:b], memory, src_mask, cache), full[:, a:b], atol=1e-5, rtol=0
+        )
 
 
 def test_length_cap_is_int_of_a_times_source_plus_b():
-    m = M.Transformer(M.Config(vocab_size=8, n_enc_layers=0, n_dec_layers=0, d_model=8, d_ff=8, n_heads=1,
-                               max_len=4096))
+    m = M.Transformer(
+        M.Config(vocab_size=8, n_enc_layers=0, n_dec_layers=0, d_model=8, d_ff=8, n_heads=1, max_len=4096)
+    )
     lengths = torch.arange(1, 1001)
     src = (torch.arange(1000)[None, :] < lengths[:, None]).long() * EOS  # row i: i + 1 tokens, then PAD
     for a, b in [(0.7, 0), (1.3, 0), (1.3, 50), (1.0, 50), (2.6, 7)]:

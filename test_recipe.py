@@ -11,18 +11,19 @@ import torch
 import data_prep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STEPS = 200  # 2.5-4.5 minutes on 2 cores in float32
+STEPS = 40  # 30-60 s on 2 cores in float32
 # Measured with this test's settings and the current recipe (dropout 0.2, warmup 400, cooldown 0.3, which
-# here follows max_steps): valid loss 5.403 at step 200, 5.401 with the rand_like dropout mask (2-core
-# AVX512 EPYC, float32, torch 2.13.0+cpu).
+# here follows max_steps): valid loss 7.492 at step 40 (2026-11-26, 2-core AMD EPYC with avx512_bf16, float32,
+# torch 2.13.0+cpu; python train.py config/multi30k.py --max_steps=40 --max_minutes=0.0 --dtype=float32 ...).
 # A broken model, loss, schedule or data pipeline stays near ln(8003) = 9.0; the margin absorbs noise.
-THRESHOLD = 5.6
+THRESHOLD = 8.0
 
 
 @pytest.mark.skipif(not os.path.isdir(data_prep.LOCAL_MULTI30K), reason='no Multi30k copy in ../shared/data')
 def test_multi30k_recipe_reaches_measured_valid_loss(tmp_path):
     data, out = tmp_path / 'data', tmp_path / 'out'
-    subprocess.run([sys.executable, 'data_prep.py', 'multi30k', '--src', 'en', '--tgt', 'de', '--out', str(data)],
+    subprocess.run([sys.executable, 'data_prep.py', 'multi30k', '--src', 'en', '--tgt', 'de',
+                    '--out', str(data)],
                    cwd=HERE, check=True, capture_output=True)
     # float32 so the figure is the same on CPUs with and without native bf16.
     cmd = [sys.executable, 'train.py', 'config/multi30k.py', f'--data_dir={data}', f'--out_dir={out}',

@@ -1,9 +1,12 @@
 # The paper's big model on WMT14 en-de (Table 3 "big", section 5).
 # Paper: 8 P100 GPUs, 300k steps of ~1.0 s = 3.5 days, 28.4 BLEU on newstest2014 (41.8 on en-fr, where
-# the big model used dropout 0.1). One H100, bf16 eager: 121 ms per 25k-token step (README, GPU); not run
-# end to end on WMT14 here.
-# Run: torchrun --nproc_per_node=8 train.py config/wmt_big.py
+# the big model used dropout 0.1). Not run end to end on WMT14 here.
 # For en-fr: --data_dir=data/wmt14_en_fr --out_dir=out/wmt_big_en_fr --dropout=0.1
+# Batch per GPU, for ~25000 source + 25000 target tokens per update as base:
+#   8 GPUs: torchrun --nproc_per_node=8 train.py config/wmt_big.py       (max_tokens=4096 below)
+#   1 GPU:  python train.py config/wmt_big.py --max_tokens=25000
+#           one 25k-token step took 121 ms (bf16 eager) on an H100 against 8 x 43 ms for eight 4096-token
+#           micro-steps (--update_freq=8); it fits the H100's 80 GB (docs/performance.md#gpu-h100)
 data_dir = 'data/wmt14_en_de'
 out_dir = 'out/wmt_big'
 n_enc_layers = 6

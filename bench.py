@@ -46,10 +46,11 @@ DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def flops_per_step(cfg, B, S, T):
+def flops_per_step(cfg, B, S, T, tokens=None):
     """Matmul FLOPs of one training step (forward + backward) over a padded batch: B sentences, source
     padded to S tokens (EOS included), decoder input padded to T. Padded positions are computed like
-    real ones, so padded sizes give the work the hardware did. An (m x k) @ (k x n) matmul is 2*m*k*n.
+    real ones, so padded sizes give the work the hardware did, but for the output projection, which
+    train.py runs over the `tokens` real target tokens alone. An (m x k) @ (k x n) matmul is 2*m*k*n.
     Conventions: attention counts the full S*S, T*T and T*S score matrices (a causal kernel may skip
     up to half of T*T); layer norm, softmax, dropout, biases and embedding lookups are left out (O(d)
     per token); backward = 2 x forward (gradients of inputs and of weights)."""
@@ -61,7 +62,7 @@ def flops_per_step(cfg, B, S, T):
                  + 2 * B * T * (d * d + d * d)                # cross-attention Q and output projection
                  + 2 * B * S * (2 * d * d)                    # cross-attention K, V from the encoder
                  + 2 * B * T * S * d * 2)                     # cross-attention scores and values
-    logits = 2 * B * T * d * V                                # output projection onto the vocabulary
+    logits = 2 * (B * T if tokens is None else tokens) * d * V  # output projection onto the vocabulary
     return 3 * (cfg.n_enc_layers * enc_layer + cfg.n_dec_layers * dec_layer + logits)
 
 
@@ -76,10 +77,11 @@ def synthetic_split(n, vocab, seed=0, median=25, cap=250):
 
 
 def make_batches(data, cfg, batch_tokens, n, device):
-    """The first n batches of train.py's first epoch over data: -> [(src, tgt_in, tgt_out)] on device."""
-    plan = data_prep.batch_plan(data, batch_tokens, seed=0, epoch=0)[:n]
+    """The first n batches of train.py's first epoch over data, as train.py's get_batch makes them:
+    -> [(src, tgt_in, rows of the real target tokens, their targets)] on device."""
     return [tuple(torch.from_numpy(a).to(device) for a in
-                  data_prep.collate(data, ids, cfg.pad_id, cfg.bos_id, cfg.eos_id)) for ids in plan]
+                  data_prep.collate(data, ids, cfg.pad_id, cfg.bos_id, cfg.eos_id))
+            for ids in data_prep.batch_plan(data, batch_tokens, seed=0, epoch=0)[:n]]
 
 
 class Builtin(nn.Module):
@@ -100,13 +102,13 @@ class Builtin(nn.Module):
         if not cfg.pre_norm:  # the post-norm paper model (and ours) has no final LayerNorm per stack
             self.tf.encoder.norm = self.tf.decoder.norm = None
 
-    def forward(self, src, tgt):
+    def forward(self, src, tgt, rows=None):
         embed = lambda x: self.dropout(self.embed(x) * math.sqrt(self.cfg.d_model) + self.pe[:x.size(1)])
         pad_mask = src == self.cfg.pad_id  # True = ignore (the opposite of model.py's convention)
         causal = torch.ones(tgt.size(1), tgt.size(1), dtype=torch.bool, device=tgt.device).triu(1)
         x = self.tf(embed(src), embed(tgt), tgt_mask=causal, tgt_is_causal=True,
                     src_key_padding_mask=pad_mask, memory_key_padding_mask=pad_mask)
-        return F.linear(x, self.embed.weight)
+        return F.linear(x, self.embed.weight) if rows is None else x.flatten(0, 1)[rows]
 
 
 def timed(fn, device):
@@ -132,21 +134,17 @@ def bench_train(cfg, impl, compiled, dtype, batches, warmup, device, profile=Fal
     """Trains on batches; times the steps after the first `warmup` (compilation, allocator warm-up)."""
     torch.manual_seed(0)
     model = (M.Transformer if impl == 'ours' else Builtin)(cfg).to(device).train()
-    if compiled:
-        # Regional compilation: each encoder/decoder layer is compiled, and identical layers reuse one
-        # compiled graph, so compile time does not grow with depth. dynamic=True: batch shapes vary.
-        for layer in [*model.encoder, *model.decoder]:
-            layer.compile(dynamic=True)
-    # As train.py with compile: the loss too, one pass over the (tokens x vocab) logits instead of several.
-    loss_fn = torch.compile(M.label_smoothed_loss, dynamic=True) if compiled else M.label_smoothed_loss
+    for layer in [*model.encoder, *model.decoder] if compiled else []:  # as train.py: per layer (identical
+        layer.compile(dynamic=True)  # layers share a graph: compile time does not grow with depth), and
+    chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compiled else M.loss_chunk  # the loss's chunks
     opt = torch.optim.Adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, fused=device.type == 'cuda')
 
     def steps(batches):
-        for src, tgt_in, tgt_out in batches:
+        for src, tgt_in, rows, targets in batches:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                logits = model(src, tgt_in)
-            loss, _, ntok = loss_fn(logits, tgt_out, 0.1, cfg.pad_id)
-            (loss / ntok).backward()
+                x = model(src, tgt_in, rows)
+                loss, _ = M.label_smoothed_loss(x, model.embed.weight, targets, 0.1, chunk_fn)
+            (loss / len(rows)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -316,7 +314,7 @@ def main(argv=None):
         torch.backends.cuda.enable_cudnn_sdp(False)
     else:  # as train.py and translate.py do
         data_prep.keep_freed_memory()
-    cfg = M.preset(args.config) if args.config in M.PRESETS else M.Config(**CONFIGS[args.config])
+    cfg = M.Config(**M.PRESETS[args.config]) if args.config in M.PRESETS else M.Config(**CONFIGS[args.config])
     if args.data:
         meta = data_prep.load_meta(args.data)
         cfg = dataclasses.replace(cfg, **{k: meta[k] for k in ('vocab_size', 'pad_id', 'bos_id', 'eos_id')})
@@ -327,8 +325,10 @@ def main(argv=None):
     # torch.compile ties equal sizes (duck sizing): a first batch with S == T recompiles in the timed steps.
     batches.sort(key=lambda b: b[0].size(1) == b[1].size(1))
     timed_batches = batches[args.warmup:]
-    n_src, n_tgt = (sum(int((b[i] != cfg.pad_id).sum()) for b in timed_batches) for i in (0, 2))  # + EOS
-    flops = sum(flops_per_step(cfg, src.size(0), src.size(1), tgt.size(1)) for src, tgt, _ in timed_batches)
+    n_src = sum(int((b[0] != cfg.pad_id).sum()) for b in timed_batches)  # + EOS, as the targets
+    n_tgt = sum(len(b[2]) for b in timed_batches)
+    flops = sum(flops_per_step(cfg, src.size(0), src.size(1), tgt.size(1), len(rows))
+                for src, tgt, rows, _ in timed_batches)
 
     peak_name = args.peak or next((k for k in PEAKS if k in device_name(device).lower()), 'measured')
     gemm = {d: measure_peak(DTYPES[d], device) for d in args.dtype}
@@ -355,8 +355,8 @@ def main(argv=None):
     record = dict(
         vars(args), device_name=device_name(device), torch=torch.__version__, threads=torch.get_num_threads(),
         load_avg_before=load, model_cfg=dataclasses.asdict(cfg), params=train[0]['params'],
-        sentences_per_batch=sum(src.size(0) for src, _, _ in timed_batches) / len(timed_batches),
-        real_token_fraction=(n_src + n_tgt) / sum(src.numel() + out.numel() for src, _, out in timed_batches),
+        sentences_per_batch=sum(b[0].size(0) for b in timed_batches) / len(timed_batches),
+        real_token_fraction=(n_src + n_tgt) / sum(b[0].numel() + b[1].numel() for b in timed_batches),
         peak_source=peak_name, peak_flops=peaks, gemm_flops=gemm, train=train, ratios=ratios, decode=decode,
         elapsed_s=time.perf_counter() - t_start)
     report(record, args.json)

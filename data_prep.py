@@ -285,8 +285,8 @@ def batch_plan(data, max_tokens, seed, epoch, shuffle=True):
     return [batches[i] for i in rng.permutation(len(batches))] if shuffle else batches
 
 def collate(data, ids, pad_id, bos_id, eos_id):
-    """Pairs ids of a split from load_split -> int64 arrays src (+ EOS), tgt_in (BOS +) and tgt_out (+ EOS),
-    padded to their longest row; one gather per side, as a loop over rows costs much of a GPU step."""
+    """Pairs ids of load_split's split -> int64 src (+ EOS), tgt_in (BOS +) padded to their longest row, the
+    real tokens' rows of the B * T target positions and their targets (+ EOS); one gather per side."""
     src_tok, src_idx, tgt_tok, tgt_idx = data
     ids, rows = np.asarray(ids, dtype=np.int64), np.arange(len(ids))
     def side(tok, idx):  # each row's tokens, padded to the longest + 1; and the lengths
@@ -296,9 +296,9 @@ def collate(data, ids, pad_id, bos_id, eos_id):
         return np.where(cols < n[:, None], tok[at] if len(tok) else 0, pad_id).astype(np.int64), n
     (src, n_src), (tgt, n_tgt) = side(src_tok, src_idx), side(tgt_tok, tgt_idx)
     tgt_in = np.concatenate([np.full((len(ids), 1), bos_id, np.int64), tgt[:, :-1]], axis=1)
-    src[rows, n_src] = eos_id
-    tgt[rows, n_tgt] = eos_id
-    return src, tgt_in, tgt
+    src[rows, n_src], tgt[rows, n_tgt] = eos_id, eos_id
+    real = np.flatnonzero(np.arange(tgt.shape[1]) <= n_tgt[:, None])  # the loss sees those alone
+    return src, tgt_in, real, tgt.reshape(-1)[real]
 
 def clean_mask(ls, lt, max_len, max_ratio):
     """Moses' clean-corpus-n on token counts, as there with no exception for short pairs (1:2 is a ratio of 2)

@@ -1,11 +1,10 @@
 """
-The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), whole, in one file, in the order of
-the paper's section 3: configuration (Table 3), positional encoding (3.5), multi-head attention (3.2), the
-feed-forward network (3.3), encoder and decoder stacks (3.1) with shared embeddings (3.4), then the training
-loss (5.4) and decoding (6.1): greedy and beam search with a KV cache.
+The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in the order of the paper's section 3:
+configuration (Table 3), positions (3.5), multi-head attention (3.2), feed-forward network (3.3), encoder and
+decoder (3.1) with shared embeddings (3.4); then the loss (5.4) and decoding (6.1) with a KV cache.
 """
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -29,20 +28,8 @@ class Config:
     eos_id: int = 2
 
 
-# Table 3 of the paper; any field can be overridden: preset('big', vocab_size=32000).
-PRESETS = {
-    'base': dict(d_model=512, d_ff=2048, n_heads=8, dropout=0.1),
-    'big': dict(d_model=1024, d_ff=4096, n_heads=16, dropout=0.3),
-}
-
-
-def preset(name, **overrides):
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    unknown = set(overrides) - {f.name for f in fields(Config)}
-    if unknown:
-        raise ValueError(f"unknown Config field(s) {sorted(unknown)}")
-    return Config(**{**PRESETS[name], **overrides})
+PRESETS = {'base': dict(d_model=512, d_ff=2048, n_heads=8, dropout=0.1),  # Table 3: Config(**PRESETS['big'])
+           'big': dict(d_model=1024, d_ff=4096, n_heads=16, dropout=0.3)}
 
 
 def sinusoidal_positions(max_len, d_model):
@@ -57,13 +44,11 @@ def sinusoidal_positions(max_len, d_model):
 
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2: MultiHead(Q, K, V) = Concat(head_1..head_h) W^O, head_i = Attention(Q W_i^Q, K W_i^K,
-    V W_i^V), Attention = softmax(Q K^T / sqrt(d_k)) V (3.2.1). Self-attention projects Q, K, V with one
-    fused matmul; cross-attention projects Q from the decoder and K, V (fused) from the encoder output."""
+    V W_i^V), Attention = softmax(Q K^T / sqrt(d_k)) V (3.2.1); Q, K, V fused in one matmul where they can."""
 
     def __init__(self, cfg, cross=False):
         super().__init__()
-        self.n_heads, self.cross, self.attn_dropout = cfg.n_heads, cross, cfg.attn_dropout
-        d = cfg.d_model
+        self.n_heads, self.cross, self.attn_dropout, d = cfg.n_heads, cross, cfg.attn_dropout, cfg.d_model
         if cross:
             self.q_proj, self.kv_proj = nn.Linear(d, d), nn.Linear(d, 2 * d)
         else:
@@ -82,16 +67,14 @@ class MultiHeadAttention(nn.Module):
                 k, v = map(self.heads, self.kv_proj(memory).chunk(2, dim=-1))
                 if cache is not None:  # contiguous once, not strided views read every step
                     cache['k'], cache['v'] = k, v = k.contiguous(), v.contiguous()
-            # Beam search keeps a source once and its k beams in consecutive rows of x: they fold into the
-            # query axis (no query masks another), so K and V are never repeated per beam.
+            # A source's k beams, consecutive rows of x, fold into the query axis: K, V are never repeated.
             q = self.heads(self.q_proj(x).view(k.size(0), -1, x.size(-1)))
         else:
             q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
             if cache is not None:  # the KV cache: earlier positions' keys and values, in the beams' order
                 if 'k' in cache:
-                    order = cache.pop('order', None)
-                    k, v = extend(cache['k'], k, order), extend(cache['v'], v, order)
-                cache['k'], cache['v'] = k, v
+                    k, v = (extend(cache[n], t, cache.get('order')) for n, t in (('k', k), ('v', v)))
+                cache.update(k=k, v=v, order=None)
             T, S = q.size(2), k.size(2)
             if causal and 1 < T < S:  # is_causal aligns top-left: after a cached prefix, align bottom-right
                 mask, causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
@@ -113,8 +96,8 @@ class FeedForward(nn.Module):
 
 
 def residual(x, sublayer, norm, dropout, pre_norm):
-    # Section 5.4: dropout on each sub-layer's output before it is added to its input. Post-norm (the paper)
-    # normalises the sum; pre-norm normalises the input, an identity path that trains without careful warmup.
+    # Section 5.4: dropout on each sub-layer's output, added to its input; post-norm (the paper) normalises
+    # the sum, pre-norm the input, an identity path that trains without careful warmup.
     if pre_norm:
         return x + dropout(sublayer(norm(x)))
     return norm(x + dropout(sublayer(x)))
@@ -153,8 +136,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        # Section 3.4: one weight matrix for source embedding, target embedding and the pre-softmax
-        # projection (a joint BPE vocabulary makes the source/target sharing possible).
+        # Section 3.4: one matrix for both embeddings and the pre-softmax projection (a joint vocabulary).
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.register_buffer('pe', sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -166,9 +148,8 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # As tensor2tensor: Xavier-uniform weights for each matrix as the paper writes it, so the fused
-        # projections (W^Q, W^K, W^V of 3.2.2) get one bound per d_model x d_model block; biases zero;
-        # embeddings N(0, d_model^-0.5), unit variance after the sqrt(d_model) of section 3.4.
+        # As tensor2tensor: Xavier-uniform per matrix of the paper (a bound per block of the fused W^Q, W^K,
+        # W^V), biases zero, embeddings N(0, d_model^-0.5): unit variance after the sqrt(d_model) of 3.4.
         d = self.cfg.d_model
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
@@ -185,8 +166,7 @@ class Transformer(nn.Module):
         T = tokens.size(1)
         if start + T > self.cfg.max_len:
             raise ValueError(f"sequence of length {start + T} exceeds max_len={self.cfg.max_len}")
-        x = self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start:start + T]
-        return self.dropout(x)
+        return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start:start + T])
 
     def encode(self, src):
         """src (B, S) -> memory (B, S, d_model) and the key-padding mask (B, 1, 1, S), True = attend."""
@@ -197,29 +177,27 @@ class Transformer(nn.Module):
         return self.enc_norm(x), src_mask
 
     def decode(self, tgt, memory, src_mask, cache=None):
-        """tgt (B, T) -> the last layer's states (B, T, d_model). memory may hold B / k rows, one per k
-        consecutive rows of tgt (beams). With a cache (new_cache), tgt holds only the new positions."""
+        """tgt (B, T) -> states (B, T, d_model); memory: a row per k beams; cached: only new positions."""
         start = 0 if cache is None or 'k' not in cache[0]['self'] else cache[0]['self']['k'].size(2)
         x = self.embed_tokens(tgt, start)
         for i, layer in enumerate(self.decoder):
             x = layer(x, memory, src_mask, None if cache is None else cache[i])
         return self.dec_norm(x)
 
-    def output(self, x):
-        # Section 3.4: the pre-softmax linear transformation is the embedding matrix.
+    def output(self, x):  # section 3.4: the pre-softmax linear transformation is the embedding matrix
         return F.linear(x, self.embed.weight)
 
-    def forward(self, src, tgt):
-        memory, src_mask = self.encode(src)
-        return self.output(self.decode(tgt, memory, src_mask))
+    def forward(self, src, tgt, rows=None):
+        """-> logits (B, T, V); with rows (of the B*T target positions), the decoder states there alone."""
+        x = self.decode(tgt, *self.encode(src))
+        return self.output(x) if rows is None else x.flatten(0, 1)[rows]
 
     def new_cache(self):
         return [{'self': {}, 'cross': {}} for _ in self.decoder]
 
 
 def extend(past, new, order=None):
-    """Cached keys or values (rows, h, T, d_k), reordered by `order` (reorder_cache), then the new step's,
-    in one copy of the history per step (index_select, then torch.cat, would make two)."""
+    """Cached keys or values (rows, h, T, d_k) in the rows' order, then the new step's, in one copy."""
     T = past.size(2)
     out = new.new_empty(new.size(0), new.size(1), T + new.size(2), new.size(3))
     if order is not None and not torch.compiler.is_compiling():
@@ -231,37 +209,69 @@ def extend(past, new, order=None):
 
 
 def reorder_cache(cache, index, cross_index=None):
-    # Self-attention histories follow their rows (beams) through index, moved by the next extend; the
-    # cross-attention K/V, one per sentence, move only when finished sentences leave (cross_index).
+    # Self-attention histories follow their beams (moved by the next extend); cross K/V, when sentences leave.
     for layer in cache:
-        own = layer['self']
-        own['order'] = own['order'][index] if 'order' in own else index
+        own, cross = layer['self'], layer['cross']
+        own['order'] = index if own.get('order') is None else own['order'][index]
         if cross_index is not None:
-            cross = layer['cross']
             cross['k'], cross['v'] = (cross[n].index_select(0, cross_index) for n in ('k', 'v'))
 
 
-def label_smoothed_loss(logits, target, eps=0.1, pad_id=0):
-    """Section 5.4. -> (summed smoothed loss, summed NLL, number of target tokens) over non-pad targets,
-    for the caller to normalise by tokens across accumulation steps and GPUs. As tensor2tensor and fairseq
-    (not torch's cross_entropy, which spreads eps over all V ids): the target gets 1 - eps, the others
-    eps / (V - 1)."""
-    V = logits.size(-1)
-    logp = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)
-    target = target.reshape(-1)
-    keep = target != pad_id
-    # where, not a product: a non-finite logit at a pad target stays out, as nll_loss keeps it out.
-    nll = F.nll_loss(logp, target, ignore_index=pad_id, reduction='sum')
-    smooth = -torch.where(keep, logp.sum(dim=-1), 0.0).sum()  # over all V ids, the target's included ...
-    eps_i = eps / (V - 1)
-    return (1.0 - eps - eps_i) * nll + eps_i * smooth, nll.detach(), keep.sum()  # ... taken back out here
+def loss_chunk(x, weight, target, eps):
+    """Section 5.4 on rows x: logits x W^T, their label-smoothed loss and NLL, and d loss / d logits. As in
+    tensor2tensor and fairseq the target gets 1 - eps, other ids eps / (V - 1): a NLL + b sum_v -log p_v."""
+    V = weight.size(0)
+    a, b = 1.0 - eps - eps / (V - 1), eps / (V - 1)
+    logits = F.linear(x, weight).float()
+    top, picked, total = logits.amax(-1, keepdim=True), logits.gather(1, target[:, None]), logits.sum(-1)
+    p = logits.sub_(top).exp_()  # in place, as are the steps below: no other (rows x V) matrix
+    lse = top + (norm := p.sum(-1, keepdim=True)).log()  # log sum exp
+    nll = (lse - picked).squeeze(1)
+    loss = (a * nll + b * (V * lse.squeeze(1) - total)).sum()
+    g = p.mul_((a + b * V) / norm).sub_(b)  # d loss / d logits = softmax (a + b V) - b, and - a at the target
+    return loss, nll.sum(), g.scatter_add_(1, target[:, None], torch.full_like(norm, -a))
+
+
+class SmoothedCrossEntropy(torch.autograd.Function):
+    """The output projection and loss chunk by chunk, each chunk's gradients at once (Liger Kernel's fused
+    linear cross-entropy; Wijmans et al. 2024): the float32 (rows x V) logits are never whole in memory."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, eps, chunk_fn, rows):
+        grad, dev, ctx.x_dtype = ctx.needs_input_grad[0] or ctx.needs_input_grad[1], x.device.type, x.dtype
+        # Under autocast the matmuls run in its dtype, as F.linear's forward and backward would.
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        grad_x = x.new_empty(x.shape, dtype=torch.float32) if grad else None
+        grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if grad else None
+        loss, nll, w = 0.0, 0.0, weight.to(dtype)
+        for i in range(0, x.size(0), rows):
+            loss_i, nll_i, g = chunk_fn(x[i:i + rows], weight, target[i:i + rows], eps)
+            loss, nll = loss + loss_i, nll + nll_i
+            if grad:
+                g = g.to(dtype)
+                grad_x[i:i + rows] = g @ w
+                grad_w += g.t() @ x[i:i + rows].to(dtype)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.mark_non_differentiable(nll)
+        return loss, nll
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        grad_x, grad_w = ctx.saved_tensors
+        return (grad_x * grad_loss).to(ctx.x_dtype), grad_w * grad_loss, None, None, None, None
+
+
+def label_smoothed_loss(x, weight, target, eps=0.1, chunk_fn=loss_chunk, elements=2 ** 24):
+    """Section 5.4 over the decoder states x (N, d_model) of real target tokens and their targets (N,), with
+    weight the output projection: -> (summed smoothed loss, summed NLL), the caller normalises by tokens."""
+    rows = max(1, elements // weight.size(0))  # a chunk's float32 logits: 64 MB at most
+    return SmoothedCrossEntropy.apply(x, weight, target, eps, chunk_fn, rows)
 
 
 # ------------------------------------------------------------------------------------------------
 # Decoding (section 6.1: beam size 4, length penalty alpha 0.6, max output length input + 50)
 
-def length_penalty(length, alpha):
-    # Wu et al. (2016), as used by the paper: lp(Y) = ((5 + |Y|) / 6)^alpha.
+def length_penalty(length, alpha):  # Wu et al. (2016), as used by the paper: lp(Y) = ((5 + |Y|) / 6)^alpha
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -274,21 +284,18 @@ def max_lengths(model, src, max_len_a, max_len_b):
 def next_log_probs(model, tokens, memory, src_mask, cache):
     logits = model.output(model.decode(tokens, memory, src_mask, cache)[:, -1]).float()
     logp = torch.log_softmax(logits, dim=-1, out=logits)  # in place: a new (rows x V) one costs page faults
-    # Never generated; masked after normalising so scores stay the model's own log-probabilities.
-    logp[:, [model.cfg.pad_id, model.cfg.bos_id]] = -math.inf
+    logp[:, [model.cfg.pad_id, model.cfg.bos_id]] = -math.inf  # never generated; masked after normalising
     return logp
 
 
 @torch.no_grad()
 def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
-    """-> for each sentence [(tokens without BOS/EOS, summed log-probability)]. A sentence leaves the batch
-    when it ends, so later steps compute only for those still going."""
+    """-> for each sentence [(tokens without BOS/EOS, summed log-probability)]; ended sentences leave."""
     cfg, B = model.cfg, src.size(0)
     memory, src_mask = model.encode(src)
     limit = max_lengths(model, src, max_len_a, max_len_b)
     cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
-    score = torch.zeros(B, device=src.device)
-    active, out = torch.arange(B, device=src.device), [None] * B
+    score, active, out = torch.zeros(B, device=src.device), torch.arange(B, device=src.device), [None] * B
     for t in range(int(limit.max())):
         logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
         best, nxt = logp.max(-1)
@@ -309,33 +316,19 @@ def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
     return out
 
 
-def top_tokens(logp, n):
-    """logp.topk(n, dim=1), twice as fast for a large vocabulary: a row's n best lie in the n groups of
-    columns (j mod V/8) with the largest maxima, since any other element has n group maxima above it."""
-    R, V = logp.shape
-    if V % 8 or V // 8 < n:
-        return logp.topk(n, dim=1)
-    groups = logp.view(R, 8, V // 8).amax(1).topk(n, dim=1).indices
-    cols = (groups[:, :, None] + torch.arange(0, V, V // 8, device=logp.device)).view(R, -1)
-    lp, j = logp.gather(1, cols).topk(n, dim=1)
-    return lp, cols.gather(1, j)
-
-
-# Beam search, one step at a time, in four parts (fairseq's rules; B sentences x k beams, V ids):
-# score the 2k best candidates, finish the EOS ones among the k best, keep the k best others alive, stop.
-
+# Beam search in four parts (fairseq's rules; B sentences x k beams): score the 2k best candidates, finish
+# the EOS ones among the k best, keep the k best others alive, stop.
 def candidates(alive, logp, at_limit, k, eos_id):
-    """The 2k best (beam, token) continuations of each sentence: 2k so that k are left when up to k end in
-    EOS. At the length limit only EOS may follow. -> scores, the beam each extends, the token."""
+    """The 2k best (beam, token) continuations of each sentence, so k are left if k end in EOS (only EOS at
+    the length limit). -> scores, the beam each extends, the token."""
     B, n = alive.size(0), min(2 * k, logp.size(-1))
-    lp, tok = top_tokens(logp, n)  # a beam's own n best hold all it can add to its sentence's 2k best
+    lp, tok = logp.topk(n, dim=1)  # a beam's own n best hold all it can add to its sentence's 2k best
     if at_limit.any():
         ended = at_limit.repeat_interleave(k)
         lp[ended], tok[ended] = -math.inf, eos_id
         lp[ended, 0] = logp[ended, eos_id]
     top, idx = (alive[:, :, None] + lp.view(B, k, n)).view(B, -1).topk(2 * k, dim=1)
     return top, idx // n, tok.view(B, -1).gather(1, idx)
-
 
 def finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, eos_id):
     """EOS candidates among the k best join the k best finished hypotheses of their sentence, scored
@@ -349,20 +342,16 @@ def finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha, eos_id)
     fin_tokens = torch.cat([fin_tokens, cand_tokens], 1).gather(1, order[:, :, None].expand(-1, -1, L + 1))
     return fin_scores, fin_tokens
 
-
 def keep_alive(top, src_beam, tok, tokens, eos_id):
-    """The k best candidates not ending in EOS become the live beams. -> their scores, their token
-    histories, and the rows each came from (to reorder the cache)."""
+    """The k best candidates not ending in EOS live on. -> scores, histories, the rows they came from."""
     B, k = top.size(0), top.size(1) // 2
     alive, order = torch.where(tok == eos_id, -math.inf, top).topk(k, dim=1)
     beam_idx = (src_beam.gather(1, order) + torch.arange(B, device=top.device)[:, None] * k).view(-1)
     return alive, torch.cat([tokens[beam_idx], tok.gather(1, order).view(-1, 1)], 1), beam_idx
 
-
 def can_stop(fin_scores, alive, limit, t, alpha, nbest, exact=False):
-    """A sentence is done at its length limit, or, as in fairseq and CTranslate2, once k hypotheses have
-    finished. exact: only when its nbest-th finished score beats the best its best live beam can still
-    reach (tensor2tensor's rule: its log-probability under the largest length penalty it can reach)."""
+    """A sentence is done at its length limit, or once k hypotheses finished (fairseq, CTranslate2); exact:
+    once its nbest-th beats the best its best live beam can reach (tensor2tensor's rule, log P only falls)."""
     if exact:
         best_reachable = alive[:, 0] / length_penalty(limit.float(), alpha)
         return (fin_scores[:, nbest - 1] >= best_reachable) | (t + 1 >= limit)
@@ -371,8 +360,7 @@ def can_stop(fin_scores, alive, limit, t, alpha, nbest, exact=False):
 
 @torch.no_grad()
 def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbest=1, exact=False):
-    """Batched over sentences x beams. -> for each sentence the nbest [(tokens, score)], best first,
-    score = log P(Y|X) / lp(|Y|) with |Y| counting EOS. Stops as can_stop says."""
+    """Sentences x beams. -> for each sentence the nbest [(tokens, log P(Y|X) / lp(|Y|))], |Y| with EOS."""
     cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
     memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
     limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)

@@ -146,7 +146,7 @@ def checkpoints(args):
     import model as M
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for name, n_avg in (('base', 5), ('big', 20)):
-            cfg = M.preset(name, vocab_size=37000)
+            cfg = M.Config(**M.PRESETS[name], vocab_size=37000)
             m = M.Transformer(cfg)
             opt = torch.optim.Adam(m.parameters(), fused=True)
             for p in m.parameters():  # Adam's state exists after its first step

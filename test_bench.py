@@ -73,9 +73,10 @@ def test_synthetic_pairs_load_as_a_split_and_batch_as_training_does(prepared):
     cfg = M.Config(**{**bench.CONFIGS['tiny'], **IDS})
     batches = bench.make_batches(data, cfg, 512, 5, 'cpu')
     assert len(batches) == 5
-    for src, tgt_in, tgt_out in batches:
-        assert src.numel() <= 512 and tgt_in.numel() <= 512
+    for src, tgt_in, rows, targets in batches:  # targets: the real tokens alone, at their rows of B * T
+        assert src.numel() <= 512 and tgt_in.numel() <= 512 and (targets != cfg.pad_id).all()
         assert (src == cfg.eos_id).sum() == len(src) and (tgt_in[:, 0] == cfg.bos_id).all()
+        tgt_out = torch.full_like(tgt_in, cfg.pad_id).flatten().index_put((rows,), targets).view_as(tgt_in)
         shifted = tgt_out[:, :-1]  # the decoder input is the target shifted right, BOS in front
         assert torch.equal(tgt_in[:, 1:], shifted.masked_fill(shifted == cfg.eos_id, cfg.pad_id))
 

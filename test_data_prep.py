@@ -618,16 +618,19 @@ def test_atomic_writes_leave_the_old_file_when_interrupted(tmp_path):
 def test_collate_puts_bos_eos_and_padding_where_the_model_expects_them():
     data = (np.array([5, 6, 7, 8], np.uint16), np.array([0, 3, 4]), np.array([9, 10, 11], np.uint16),
             np.array([0, 1, 3]))
-    src, tgt_in, tgt_out = data_prep.collate(data, [1, 0], pad_id=0, bos_id=1, eos_id=2)
-    assert src.tolist() == [[8, 2, 0, 0], [5, 6, 7, 2]]
-    assert tgt_in.tolist() == [[1, 10, 11], [1, 9, 0]] and tgt_out.tolist() == [[10, 11, 2], [9, 2, 0]]
-    assert {x.dtype for x in (src, tgt_in, tgt_out)} == {np.dtype(np.int64)}
+    src, tgt_in, rows, targets = data_prep.collate(data, [1, 0], pad_id=0, bos_id=1, eos_id=2)
+    assert src.tolist() == [[8, 2, 0, 0], [5, 6, 7, 2]] and tgt_in.tolist() == [[1, 10, 11], [1, 9, 0]]
+    assert rows.tolist() == [0, 1, 2, 3, 4] and targets.tolist() == [10, 11, 2, 9, 2]  # pads are no rows
+    assert {x.dtype for x in (src, tgt_in, rows, targets)} == {np.dtype(np.int64)}
     rng = np.random.default_rng(0)
     data = []
     for n in (rng.integers(0, 9, 50), rng.integers(0, 9, 50)):  # valid and test are not cleaned: empty sides
         data += [rng.integers(3, 100, int(n.sum())).astype(np.uint16), np.concatenate([[0], np.cumsum(n)])]
     ids = rng.permutation(50)[:17]
-    src, tgt_in, tgt_out = data_prep.collate(tuple(data), ids, 0, 1, 2)
+    src, tgt_in, rows, targets = data_prep.collate(tuple(data), ids, 0, 1, 2)
+    tgt_out = np.zeros(tgt_in.size, np.int64)
+    tgt_out[rows] = targets
+    tgt_out = tgt_out.reshape(tgt_in.shape)
     for row, i in enumerate(ids):  # as building each row alone
         s, t = data[0][data[1][i]:data[1][i + 1]].tolist(), data[2][data[3][i]:data[3][i + 1]].tolist()
         assert src[row].tolist() == s + [2] + [0] * (src.shape[1] - len(s) - 1)

@@ -154,7 +154,7 @@ def analytic_params(V, d, ff, N):
 
 @pytest.mark.parametrize('name,paper', [('base', 65e6), ('big', 213e6)])
 def test_parameter_counts_match_paper(name, paper):
-    cfg = M.preset(name, vocab_size=37000)
+    cfg = M.Config(**M.PRESETS[name], vocab_size=37000)
     with torch.device('meta'):  # shapes only: no memory, no init time
         n = M.Transformer(cfg).num_params()
     expected = analytic_params(37000, cfg.d_model, cfg.d_ff, 6)
@@ -169,31 +169,46 @@ def test_num_params_counts_tied_tensor_once():
     assert m.num_params() == analytic_params(24, 32, 64, 2)
 
 
-def test_label_smoothing_gives_eps_over_the_other_classes_and_ignores_pad():
+def real_rows(tgt_out):
+    rows = (tgt_out.flatten() != PAD).nonzero().squeeze(1)
+    return rows, tgt_out.flatten()[rows]
+
+
+def test_label_smoothing_gives_eps_over_the_other_classes():
     # tensor2tensor / fairseq: target 1 - eps, each of the V - 1 other ids eps / (V - 1).
     torch.manual_seed(0)
     V, eps = 11, 0.1
-    logits, target = torch.randn(2, 5, V), torch.randint(3, V, (2, 5))
-    target[1, 3:] = PAD
-    loss, nll, ntok = M.label_smoothed_loss(logits, target, eps=eps, pad_id=PAD)
-    q = torch.full((10, V), eps / (V - 1)).scatter_(1, target.view(-1, 1), 1 - eps)
-    per_token = -(q * F.log_softmax(logits.view(-1, V), -1)).sum(-1)
-    assert ntok.item() == 8
-    torch.testing.assert_close(loss, per_token[target.view(-1) != PAD].sum())
-    torch.testing.assert_close(
-        nll, F.cross_entropy(logits.view(-1, V), target.view(-1), ignore_index=PAD, reduction='sum')
-    )
+    x, w, target = torch.randn(8, 6), torch.randn(V, 6), torch.randint(3, V, (8,))
+    loss, nll = M.label_smoothed_loss(x, w, target, eps=eps)
+    logits = x @ w.t()
+    q = torch.full((8, V), eps / (V - 1)).scatter_(1, target[:, None], 1 - eps)
+    torch.testing.assert_close(loss, -(q * F.log_softmax(logits, -1)).sum())
+    torch.testing.assert_close(nll, F.cross_entropy(logits, target, reduction='sum'))
 
 
-def test_a_non_finite_logit_at_a_pad_target_leaves_the_loss_alone():
-    torch.manual_seed(0)
-    logits, target = torch.randn(2, 4, 9), torch.randint(3, 9, (2, 4))
-    target[1, 2:] = PAD
-    want = M.label_smoothed_loss(logits, target, pad_id=PAD)
-    logits[1, 2:] = float('nan')  # e.g. attention over a source that is all padding
-    got = M.label_smoothed_loss(logits, target, pad_id=PAD)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_chunked_loss_and_every_gradient_equal_the_plain_path_over_real_tokens(dtype):
+    # The plain path: full (B, T, V) logits, log_softmax, the smoothed loss over non-pad targets. The chunked
+    # one projects only the rows of real tokens, 5 rows at a time (elements=5 * V), gradients in forward.
+    m = tiny(vocab=24).train()
+    src = pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS], [4, EOS]])
+    tgt_out = pad_batch([[5, 6, 7, EOS], [8, EOS], [3, 4, 5, 6, 7, 8, EOS]])
+    tgt_in = torch.cat([torch.full((3, 1), BOS), tgt_out[:, :-1].masked_fill(tgt_out[:, :-1] == EOS, PAD)], 1)
+    rows, targets = real_rows(tgt_out)
+    eps, V, autocast = 0.1, 24, torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    with autocast:
+        logp = F.log_softmax(m(src, tgt_in).flatten(0, 1)[rows].float(), -1)
+    q = torch.full((len(rows), V), eps / (V - 1)).scatter_(1, targets[:, None], 1 - eps)
+    plain = -(q * logp).sum()
+    want = torch.autograd.grad(plain, list(m.parameters()))
+    with autocast:
+        loss, nll = M.label_smoothed_loss(m(src, tgt_in, rows), m.embed.weight, targets, eps, elements=5 * V)
+    got = torch.autograd.grad(loss, list(m.parameters()))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss, plain, **tol)
+    torch.testing.assert_close(nll, -logp.gather(1, targets[:, None]).sum(), **tol)
+    for (name, _), a, b in zip(m.named_parameters(), got, want):
+        torch.testing.assert_close(a, b, **tol, msg=name)
 
 
 def test_init_is_xavier_per_matrix_of_the_paper():
@@ -284,19 +299,6 @@ def test_candidates_match_a_sort_over_every_beam_and_token():
     torch.testing.assert_close(top, want)
     finite = want > -math.inf
     assert torch.equal(beam[finite], (idx // V)[finite]) and torch.equal(tok[finite], (idx % V)[finite])
-
-
-def test_top_tokens_equal_topk():
-    torch.manual_seed(0)
-    logp = F.log_softmax(torch.randn(50, 8 * 97) * 4, -1)
-    logp[:5, :20] = -math.inf
-    logp[5:10, torch.arange(8) * 97 + 3] = torch.arange(8.0)  # the 8 best all in one group of columns
-    for n in (1, 8, 97):
-        want, got = logp.topk(n, dim=1), M.top_tokens(logp, n)
-        assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
-    assert torch.equal(
-        M.top_tokens(logp[:, :99], 8)[1], logp[:, :99].topk(8, dim=1).indices
-    )  # V not a multiple of 8
 
 
 def test_exact_stopping_never_changes_the_nbest(monkeypatch):
@@ -395,9 +397,10 @@ def test_tiny_model_learns_to_copy():
     for step in range(steps):
         seqs, src = batch(64)
         tgt_in, tgt_out = pad_batch([[BOS] + s for s in seqs]), pad_batch([s + [EOS] for s in seqs])
-        loss, _, ntok = M.label_smoothed_loss(m(src, tgt_in), tgt_out, eps=0.0)
+        rows, targets = real_rows(tgt_out)
+        loss, _ = M.label_smoothed_loss(m(src, tgt_in, rows), m.embed.weight, targets, eps=0.0)
         opt.zero_grad()
-        (loss / ntok).backward()
+        (loss / len(rows)).backward()
         opt.step()
         sched.step()
     m.eval()

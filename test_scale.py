@@ -30,8 +30,18 @@ def corpus(tmp_path, out, pairs, *args):
     """scale.py corpus from the fake Multi30k in tmp_path / 'm30k' (made if need be) into tmp_path / out."""
     if not (tmp_path / 'm30k').exists():
         fake_multi30k(tmp_path / 'm30k')
-    scale.main(['corpus', '--pairs', str(pairs), '--multi30k', str(tmp_path / 'm30k'),
-                '--out', str(tmp_path / out), *args])
+    scale.main(
+        [
+            'corpus',
+            '--pairs',
+            str(pairs),
+            '--multi30k',
+            str(tmp_path / 'm30k'),
+            '--out',
+            str(tmp_path / out),
+            *args,
+        ]
+    )
 
 
 def test_corpus_is_parallel_wmt_sized_and_reproducible(tmp_path):
@@ -97,9 +107,25 @@ def test_corpus_files_in_out_are_replaced_only_with_force(tmp_path, capsys):
 def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
     c = tmp_path / 'c'
     corpus(tmp_path, 'c', 2000, '--held-out', '40', '--pool', '2000')
-    data_prep.main(['custom', '--train', str(c / 'train'), '--valid', str(c / 'valid'),
-                    '--test', str(c / 'test'), '--src', 'en', '--tgt', 'de', '--vocab-size', '400',
-                    '--out', str(tmp_path / 'prep')])
+    data_prep.main(
+        [
+            'custom',
+            '--train',
+            str(c / 'train'),
+            '--valid',
+            str(c / 'valid'),
+            '--test',
+            str(c / 'test'),
+            '--src',
+            'en',
+            '--tgt',
+            'de',
+            '--vocab-size',
+            '400',
+            '--out',
+            str(tmp_path / 'prep'),
+        ]
+    )
     scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '512', '4096', '--batches', '20'])
     out = capsys.readouterr().out
     assert 'max_tokens 512' in out and 'max_tokens 4096' in out
@@ -110,13 +136,17 @@ def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
     assert 'max_tokens 1' in str(e.value)
 
 
-@pytest.mark.parametrize('argv, named', [
-    (['corpus', '--pairs', '10', '--out', 'c', '--src', 'en', '--tgt', 'en'], '--src and --tgt'),
-    (['corpus', '--pairs', '10', '--out', 'c', '--seed', '-1'], '--seed'),
-    (['corpus', '--pairs', '10', '--out', 'c', '--pool', '0'], '--pool'),
-    (['loader', '--data', 'prep', '--batches', '0'], '--batches'),
-    (['loader', '--data', 'prep', '--max-tokens', '0'], '--max-tokens'),
-    (['checkpoints', '--dir', 'nowhere'], '--dir nowhere')])
+@pytest.mark.parametrize(
+    'argv, named',
+    [
+        (['corpus', '--pairs', '10', '--out', 'c', '--src', 'en', '--tgt', 'en'], '--src and --tgt'),
+        (['corpus', '--pairs', '10', '--out', 'c', '--seed', '-1'], '--seed'),
+        (['corpus', '--pairs', '10', '--out', 'c', '--pool', '0'], '--pool'),
+        (['loader', '--data', 'prep', '--batches', '0'], '--batches'),
+        (['loader', '--data', 'prep', '--max-tokens', '0'], '--max-tokens'),
+        (['checkpoints', '--dir', 'nowhere'], '--dir nowhere'),
+    ],
+)
 def test_bad_arguments_are_a_usage_error_naming_the_flag(tmp_path, monkeypatch, capsys, argv, named):
     monkeypatch.chdir(tmp_path)
     (tmp_path / 'a_file').write_text('')
@@ -129,7 +159,8 @@ def test_bad_arguments_are_a_usage_error_naming_the_flag(tmp_path, monkeypatch, 
 def test_checkpoints_are_written_averaged_timed_and_removed(tmp_path, monkeypatch, capsys):
     # base and big are GBs: tiny models stand in, run through the same code.
     tiny = dict(n_enc_layers=1, n_dec_layers=1, d_model=16, d_ff=32, n_heads=2)
-    monkeypatch.setattr(M, 'preset', lambda name, **kw: M.Config(**{**kw, **tiny, 'vocab_size': 40}))
+    monkeypatch.setitem(M.PRESETS, 'base', tiny)
+    monkeypatch.setitem(M.PRESETS, 'big', tiny)
     scale.main(['checkpoints', '--dir', str(tmp_path)])
     out = capsys.readouterr().out.splitlines()
     assert [line.split(':')[0] for line in out] == ['base', 'big'] and 'averaging 20' in out[1]

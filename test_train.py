@@ -12,11 +12,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 
+import configurator
 import data_prep
 import translate
 
@@ -113,6 +115,27 @@ def train(args, out_dir, data_dir, nproc=1, ok=True, launcher=None):
     else:  # one line, no traceback
         assert res.returncode != 0 and 'Traceback' not in res.stderr, res.stderr[-3000:]
     return res
+
+
+def refused(*runs):
+    """train.py runs [(args, out_dir, data_dir)] that must each stop with one line and no traceback, started
+    together: each is mostly the import of torch, which two cores do two at a time. -> their stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    procs = [
+        subprocess.Popen(
+            [sys.executable, 'train.py', *TINY, f'--data_dir={d}', f'--out_dir={o}', *a],
+            cwd=HERE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for a, o, d in runs
+    ]
+    errs = [p.communicate()[1] for p in procs]
+    for p, err in zip(procs, errs):
+        assert p.returncode != 0 and 'Traceback' not in err and len(err.strip().splitlines()) == 1, err
+    return errs
 
 
 def params(out_dir, name):
@@ -256,10 +279,12 @@ def other_data_dir(tmp_path_factory):  # the same sizes, another corpus: another
 def test_resume_or_fine_tune_with_another_tokenizer_is_refused(run, data_dir, other_data_dir, tmp_path):
     assert data_prep.load_meta(data_dir)['vocab_size'] == data_prep.load_meta(other_data_dir)['vocab_size']
     out = copy_run(run, tmp_path)
-    res = train(['--max_steps=8', '--init_from=resume'], out, other_data_dir, ok=False)
-    assert 'another tokenizer' in res.stderr and 'state_0000006.pt' in res.stderr
-    res = train(['--max_steps=1', f'--init_from={out / "ckpt.pt"}'], tmp_path / 'b', other_data_dir, ok=False)
-    assert 'another tokenizer' in res.stderr and 'ckpt.pt' in res.stderr
+    resume, tune = refused(
+        (['--init_from=resume'], out, other_data_dir),
+        ([f'--init_from={out / "ckpt.pt"}'], tmp_path / 'b', other_data_dir),
+    )
+    assert 'another tokenizer' in resume and 'state_0000006.pt' in resume
+    assert 'another tokenizer' in tune and 'ckpt.pt' in tune
 
 
 def test_data_prepared_with_the_checkpoints_tokenizer_fine_tunes_it(run, tmp_path):
@@ -323,37 +348,22 @@ def test_resume_on_other_training_data_is_refused_and_on_a_copy_goes_on(run, dat
     assert 'other training pairs' in res.stderr and 'data_dir=' in res.stderr
 
 
-@pytest.mark.parametrize(
-    'args,message',
-    [
+def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_before_any_work(
+    data_dir, tmp_path
+):
+    sizes = data_prep.pair_sizes(data_prep.load_split(data_dir, 'train'))
+    cases = [
         (['--max_steps=ten'], 'max_steps must be int'),
         (['--dropout=1.5'], 'dropout must be in [0, 1)'),
-        (['--d_model=30'], 'n_heads must be a divisor of d_model'),
-        (
-            ['--data_dir=nowhere/wmt14_en_fr'],
-            'python data_prep.py wmt14 --src en --tgt fr --out nowhere/wmt14_en_fr',
-        ),
-    ],
-)
-def test_bad_settings_and_missing_data_are_one_line_errors_before_any_work(args, message, tmp_path):
-    res = subprocess.run(
-        [sys.executable, 'train.py', f'--out_dir={tmp_path}/run'] + args,
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-    )
-    assert (
-        res.returncode != 0 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    ), res.stderr
-    assert not os.path.exists(os.path.join(tmp_path, 'run', 'log.jsonl'))  # nothing that blocks the next try
-
-
-def test_too_small_max_tokens_or_max_len_are_one_line_errors_before_training(data_dir, tmp_path):
-    sizes = data_prep.pair_sizes(data_prep.load_split(data_dir, 'train'))
-    res = train(['--max_steps=1', f'--max_tokens={sizes.min() - 1}'], tmp_path / 'a', data_dir, ok=False)
-    assert f'raise it to at least {sizes.min()}' in res.stderr
-    res = train(['--max_steps=1', '--max_len=8'], tmp_path / 'b', data_dir, ok=False)
-    assert "max_len=8" in res.stderr and 'step 1 ' not in res.stdout
+        (['--n_heads=3'], 'n_heads must be a divisor of d_model'),
+        (['--data_dir=nowhere/wmt14_en_fr'], 'no prepared data in nowhere/wmt14_en_fr: prepare it'),
+        ([f'--max_tokens={sizes.min() - 1}'], f'raise it to at least {sizes.min()}'),
+        (['--max_len=8'], 'max_len=8'),
+    ]
+    errs = refused(*[(a, tmp_path / str(i), data_dir) for i, (a, _) in enumerate(cases)])
+    for (_, message), err in zip(cases, errs):
+        assert message in err, err
+    assert not any(os.path.exists(tmp_path / str(i) / 'log.jsonl') for i in range(len(cases)))
 
 
 def test_a_streak_of_non_finite_updates_stops_the_run(data_dir, tmp_path):
@@ -419,6 +429,63 @@ def test_training_steps_between_log_lines_read_nothing_back_from_the_device(data
     assert reads[0] == reads[1]
 
 
+def test_compiled_training_does_not_recompile_per_batch_shape(data_dir, tmp_path):
+    # Token batches change shape every step: compiled per layer with dynamic shapes (as bench.py times it),
+    # train.py must not compile per shape, nor fall back to eager at dynamo's recompile limit (an error here).
+    # The backend is dynamo's 'eager': capture and guards, which decide recompiles, are inductor's too.
+    wrapper = (
+        "import runpy, sys, torch\n"
+        "from torch._dynamo.utils import counters\n"
+        "torch._dynamo.config.fail_on_recompile_limit_hit = True\n"
+        "compile, module_compile = torch.compile, torch.nn.Module.compile\n"
+        "torch.compile = lambda fn, **kw: compile(fn, **{**kw, 'backend': 'eager'})\n"
+        "torch.nn.Module.compile = lambda self, **kw: module_compile(self, **{**kw, 'backend': 'eager'})\n"
+        "import builtins\n"  # each line it prints says how many graphs were compiled by then
+        "say = print\n"
+        "builtins.print = lambda *a, **k: say(*a, 'graphs', counters['stats']['unique_graphs'], **k)\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    res = train(
+        ['--max_steps=40', '--compile=True', '--eval_interval=4', '--bleu_interval=0'],
+        tmp_path,
+        data_dir,
+        launcher=[sys.executable, '-c', wrapper],
+    )
+    graphs = [
+        int(line.split('graphs')[-1])
+        for line in res.stdout.splitlines()
+        if line.startswith(('step 8 ', 'step 40 '))
+    ]
+    data = data_prep.load_split(data_dir, 'train')
+    plan = data_prep.batch_plan(data, 256, 1337, 0)
+    shapes = [
+        {tuple(a.shape) for ids in plan[:n] for a in data_prep.collate(data, ids, 0, 1, 2)[:2]}
+        for n in (8, 40)
+    ]
+    assert len(shapes[1]) > len(shapes[0]) and graphs[0] == graphs[1] <= 8, (graphs, shapes)
+
+
+def test_batches_are_prefetched_in_order_by_a_background_thread():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    prefetched = load_function('prefetched', ThreadPoolExecutor=ThreadPoolExecutor)
+    made = []
+
+    def items():
+        for i in range(5):
+            made.append((i, threading.current_thread() is threading.main_thread()))
+            yield i
+
+    got = prefetched(items())
+    assert [next(got) for _ in range(4)] == [0, 1, 2, 3]
+    for _ in range(500):  # the item after the one in hand is made meanwhile, in another thread
+        if len(made) < 5:
+            time.sleep(0.01)
+    assert made == [(i, False) for i in range(5)]
+
+
 def load_function(name, **scope):
     """A function of train.py with the globals given, without running the script around it."""
     tree = ast.parse(open(os.path.join(HERE, 'train.py')).read())
@@ -428,14 +495,7 @@ def load_function(name, **scope):
 
 
 def load_override():
-    return load_function(
-        'override',
-        sys=sys,
-        os=os,
-        ast=ast,
-        builtins=__import__('builtins'),
-        traceback=__import__('traceback'),
-    )
+    return configurator.override
 
 
 def test_numbers_given_for_a_text_setting_are_kept_as_text():

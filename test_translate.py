@@ -57,10 +57,12 @@ def train_reversal(steps=250, **overrides):
         batch = [sentence(rng) for _ in range(64)]
         src = pad([enc.encode_ordinary(s) + [cfg.eos_id] for s in batch])
         tgt = [enc.encode_ordinary(reverse(s)) for s in batch]
-        loss, _, n = M.label_smoothed_loss(model(src, pad([[cfg.bos_id] + t for t in tgt])),
-                                           pad([t + [cfg.eos_id] for t in tgt]), 0.0, cfg.pad_id)
+        tgt_out = pad([t + [cfg.eos_id] for t in tgt]).flatten()
+        rows = (tgt_out != cfg.pad_id).nonzero().squeeze(1)
+        x = model(src, pad([[cfg.bos_id] + t for t in tgt]), rows)
+        loss, _ = M.label_smoothed_loss(x, model.embed.weight, tgt_out[rows], 0.0)
         opt.zero_grad()
-        (loss / n).backward()
+        (loss / len(rows)).backward()
         opt.step()
     return model.eval(), d, enc, cfg
 

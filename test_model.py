@@ -255,6 +255,17 @@ def test_beam_scores_sorted_and_equal_forward_log_prob(alpha):
             assert score == pytest.approx(expected, abs=1e-4)
 
 
+def test_top_tokens_equal_topk():
+    torch.manual_seed(0)
+    logp = F.log_softmax(torch.randn(50, 8 * 97) * 4, -1)
+    logp[:5, :20] = -math.inf
+    logp[5:10, torch.arange(8) * 97 + 3] = torch.arange(8.0)  # the 8 best all in one group of columns
+    for n in (1, 8, 97):
+        want, got = logp.topk(n, dim=1), M.top_tokens(logp, n)
+        assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+    assert torch.equal(M.top_tokens(logp[:, :99], 8)[1], logp[:, :99].topk(8, dim=1).indices)  # V % 8 != 0
+
+
 class Scripted(torch.nn.Module):
     """A 'model' whose next-token distribution is a table keyed by the prefix generated so far; it keeps
     the prefix in the self-attention cache, so beam search reorders it like real keys and values."""

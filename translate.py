@@ -99,21 +99,24 @@ def packed_weights(model, reuse=None):
         return
     reuse = {} if reuse is None else reuse
 
-    def packed(weight, bias=None):  # keyed on the storage and its version counter, bumped by every change
+    def packed(weight, bias=None, op='none'):  # keyed on the storage and its version, bumped by every change
         key = (weight.data_ptr(), weight._version)
         if reuse.get(id(weight), (None,))[0] != key:
             reuse[id(weight)] = key, torch.ops.mkldnn._reorder_linear_weight(weight)
         pack = reuse[id(weight)][1]
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, pack, bias, 'none', [], '')
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, pack, bias, op, [], '')
 
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    ffns = [m for m in model.modules() if isinstance(m, M.FeedForward)]
     try:
         for m in linears:
             m.forward = packed(m.weight, m.bias)
+        for f in ffns:  # oneDNN applies the ReLU as it writes W1's product, not in another pass
+            f.forward = lambda x, w1=packed(f.w1.weight, f.w1.bias, 'relu'), w2=f.w2: w2(w1(x))
         model.output = packed(w.weight)
         yield
     finally:  # the instance attributes go, and the classes' forward and output are seen again
-        for m in linears:
+        for m in linears + ffns:
             m.__dict__.pop('forward', None)
         model.__dict__.pop('output', None)
 

@@ -1,0 +1,133 @@
+"""
+The A/B behind docs/performance.md, "Training on real target tokens": the plain loss over all (B x T) target
+positions (as train.py computed it until d2e49a4) against model.label_smoothed_loss over the real tokens only.
+    python docs/loss_ab.py data/multi30k_en_de step   # the recipe's step, alternating in one process
+    python docs/loss_ab.py - mem chunked|plain        # one 25k-token step of base, vocabulary 37000
+    python docs/loss_ab.py - memtiny chunked|plain    # the same, a tiny model (d_model 64, 1+1 layers)
+DTYPE=float32 picks float32 (default: data_prep.fast_dtype). Measurements, not a test: free cores.
+"""
+
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data_prep  # noqa: E402
+import model as M  # noqa: E402
+
+
+def plain_loss(logits, target, eps=0.1, pad_id=0):  # d2e49a4's label_smoothed_loss
+    V = logits.size(-1)
+    logp = F.log_softmax(logits.reshape(-1, V).float(), dim=-1)
+    target = target.reshape(-1)
+    keep = target != pad_id
+    nll = F.nll_loss(logp, target, ignore_index=pad_id, reduction='sum')
+    smooth = -torch.where(keep, logp.sum(dim=-1), 0.0).sum()
+    eps_i = eps / (V - 1)
+    return (1.0 - eps - eps_i) * nll + eps_i * smooth, nll.detach(), keep.sum()
+
+
+def cpu_dropout(self, x):
+    if not self.training or self.p == 0:
+        return x
+    keep = torch.rand_like(x, dtype=torch.float32) >= self.p
+    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+
+
+def step(model, opt, batch, how, autocast, pad):
+    src, tgt_in, tgt_out = batch
+    with autocast:
+        if how == 'plain':
+            loss, _, n = plain_loss(model(src, tgt_in), tgt_out, 0.1, pad)
+        else:
+            flat = tgt_out.numpy().reshape(-1)
+            rows = torch.from_numpy(np.flatnonzero(flat != pad))
+            loss, _ = M.label_smoothed_loss(
+                model(src, tgt_in, rows), model.embed.weight, torch.from_numpy(flat[rows.numpy()]), 0.1
+            )
+            n = len(rows)
+    (loss / n).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+if __name__ == '__main__':
+    data_dir, mode = sys.argv[1], sys.argv[2]
+    data_prep.keep_freed_memory()
+    dtype = __import__('os').environ.get('DTYPE') or data_prep.fast_dtype('cpu')
+    if dtype == 'bfloat16':
+        torch.backends.cuda.enable_flash_sdp(False)
+    autocast = torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == 'bfloat16')
+    if mode == 'step':  # the Multi30k recipe's model and batches
+        meta = data_prep.load_meta(data_dir)
+        cfg = M.Config(
+            vocab_size=(meta['vocab_size'] + 7) // 8 * 8,
+            n_enc_layers=3,
+            n_dec_layers=3,
+            d_model=256,
+            d_ff=1024,
+            n_heads=4,
+            dropout=0.2,
+            pre_norm=True,
+        )
+        data = data_prep.load_split(data_dir, 'train')
+        plan = data_prep.batch_plan(data, 2048, 1337, 0)
+        batches = []
+        for ids in plan[:130]:
+            src, tgt_in, rows, targets = data_prep.collate(data, ids, 0, 1, 2)
+            tgt_out = np.zeros(tgt_in.size, np.int64)
+            tgt_out[rows] = targets
+            batches.append(tuple(map(torch.from_numpy, (src, tgt_in, tgt_out.reshape(tgt_in.shape)))))
+        torch.manual_seed(0)
+        model = M.Transformer(cfg).train()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.forward = cpu_dropout.__get__(m)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        for b in batches[:10]:  # warm-up, both paths
+            step(model, opt, b, 'plain', autocast, 0), step(model, opt, b, 'chunked', autocast, 0)
+        times = {'plain': [], 'chunked': []}
+        for r in range(12):  # rounds of 10 steps each, alternating which path goes first
+            for how in (('plain', 'chunked') if r % 2 == 0 else ('chunked', 'plain')):
+                t = time.perf_counter()
+                for b in batches[10 + 10 * r : 20 + 10 * r]:
+                    step(model, opt, b, how, autocast, 0)
+                times[how].append(time.perf_counter() - t)
+        med = {k: float(np.median(v)) / 10 * 1e3 for k, v in times.items()}
+        print(
+            f"dtype {dtype}: ms/step, median of 12 rounds of 10: plain {med['plain']:.1f}, "
+            f"chunked {med['chunked']:.1f}, "
+            f"chunked/plain {med['chunked'] / med['plain']:.3f}"
+        )
+    else:  # one 25k-token step of base with a 37000 vocabulary: peak resident memory
+        how = sys.argv[3]
+        cfg = (
+            M.preset('base', vocab_size=37000)
+            if mode == 'mem'
+            else M.Config(vocab_size=37008, n_enc_layers=1, n_dec_layers=1, d_model=64, d_ff=256, n_heads=4)
+        )
+        torch.manual_seed(0)
+        model = M.Transformer(cfg).train()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.forward = cpu_dropout.__get__(m)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        g = torch.Generator().manual_seed(0)
+        B, S, T = 1000, 25, 25  # 25000 padded tokens per side; the last 2 target positions padding (92% real)
+        src = torch.randint(3, 37000, (B, S), generator=g)
+        tgt_in = torch.randint(3, 37000, (B, T), generator=g)
+        tgt_out = torch.randint(3, 37000, (B, T), generator=g)
+        tgt_out[:, -2:] = 0
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        t = time.perf_counter()
+        step(model, opt, (src, tgt_in, tgt_out), how, autocast, 0)
+        print(
+            f"{mode} {how}: dtype {dtype}, "
+            f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB "
+            f"(before the step {base:.2f} GB), step {time.perf_counter() - t:.1f} s"
+        )

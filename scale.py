@@ -1,5 +1,5 @@
 """
-The WMT-scale rehearsal (docs/performance.md, Scale): WMT14 cannot be downloaded here, but its size can be rehearsed.
+The WMT-scale rehearsal (docs/performance.md, Scale): WMT14 cannot be downloaded here, its size rehearsed.
 
     python scale.py corpus --pairs 4500000 --out data/fake_wmt_4.5M   # train/valid/test .en/.de.gz
     python data_prep.py custom --train data/fake_wmt_4.5M/train --valid data/fake_wmt_4.5M/valid \\

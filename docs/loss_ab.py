@@ -39,6 +39,15 @@ def cpu_dropout(self, x):
     return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
 
 
+def build(cfg):  # the model as train.py trains it on a CPU, and its optimizer
+    torch.manual_seed(0)
+    model = M.Transformer(cfg).train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.forward = cpu_dropout.__get__(m)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+
+
 def step(model, opt, batch, how, autocast, pad):
     src, tgt_in, tgt_out = batch
     with autocast:
@@ -83,12 +92,7 @@ if __name__ == '__main__':
             tgt_out = np.zeros(tgt_in.size, np.int64)
             tgt_out[rows] = targets
             batches.append(tuple(map(torch.from_numpy, (src, tgt_in, tgt_out.reshape(tgt_in.shape)))))
-        torch.manual_seed(0)
-        model = M.Transformer(cfg).train()
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.forward = cpu_dropout.__get__(m)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        model, opt = build(cfg)
         for b in batches[:10]:  # warm-up, both paths
             step(model, opt, b, 'plain', autocast, 0), step(model, opt, b, 'chunked', autocast, 0)
         times = {'plain': [], 'chunked': []}
@@ -107,16 +111,11 @@ if __name__ == '__main__':
     else:  # one 25k-token step of base with a 37000 vocabulary: peak resident memory
         how = sys.argv[3]
         cfg = (
-            M.preset('base', vocab_size=37000)
+            M.Config(**M.PRESETS['base'], vocab_size=37000)
             if mode == 'mem'
             else M.Config(vocab_size=37008, n_enc_layers=1, n_dec_layers=1, d_model=64, d_ff=256, n_heads=4)
         )
-        torch.manual_seed(0)
-        model = M.Transformer(cfg).train()
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.forward = cpu_dropout.__get__(m)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        model, opt = build(cfg)
         g = torch.Generator().manual_seed(0)
         B, S, T = 1000, 25, 25  # 25000 padded tokens per side; the last 2 target positions padding (92% real)
         src = torch.randint(3, 37000, (B, S), generator=g)

@@ -196,7 +196,7 @@ for split, data in (('training', train_data), ('validation', valid_data)):
                  f"(with EOS): raise max_len, or leave them out (data_prep.py --max-len)")
 raw_model = M.Transformer(model_cfg).to(device)
 
-def cpu_dropout(self, x):  # torch's draws its CPU mask with bernoulli_, twice as slow (docs/performance.md)
+def cpu_dropout(self, x):  # nn.Dropout's CPU mask comes from bernoulli_, twice as slow (docs/performance.md)
     if not self.training or self.p == 0:
         return x
     keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # float32: bf16 would round p

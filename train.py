@@ -150,7 +150,6 @@ except (OSError, ValueError, KeyError, TypeError) as e:
 train_data, valid_data = data_prep.load_split(data_dir, 'train'), data_prep.load_split(data_dir, 'valid')
 train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss counts
 
-# -----------------------------------------------------------------------------------------------
 # model, optimiser, and the state to resume or fine-tune from
 if init_from == 'resume' and not data_prep.checkpoints(out_dir, 'state'):
     sys.exit(f"init_from='resume' but {out_dir} has no state_*.pt")

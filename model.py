@@ -73,8 +73,9 @@ class MultiHeadAttention(nn.Module):
             q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
             if cache is not None:  # the KV cache: earlier positions' keys and values, in the beams' order
                 if 'k' in cache:
-                    k, v = (extend(cache[n], t, cache.get('order')) for n, t in (('k', k), ('v', v)))
-                cache.update(k=k, v=v, order=None)
+                    order = cache.pop('order', None)  # reorder_cache's, applied in the same copy
+                    k, v = extend(cache['k'], k, order), extend(cache['v'], v, order)
+                cache['k'], cache['v'] = k, v
             T, S = q.size(2), k.size(2)
             if causal and 1 < T < S:  # is_causal aligns top-left: after a cached prefix, align bottom-right
                 mask, causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
@@ -211,7 +212,7 @@ def reorder_cache(cache, index, cross_index=None):
     # Self-attention histories follow their beams (moved by the next extend); cross K/V, when sentences leave.
     for layer in cache:
         own, cross = layer['self'], layer['cross']
-        own['order'] = index if own.get('order') is None else own['order'][index]
+        own['order'] = own['order'][index] if 'order' in own else index
         if cross_index is not None:
             cross['k'], cross['v'] = (cross[n].index_select(0, cross_index) for n in ('k', 'v'))
 

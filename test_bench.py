@@ -47,6 +47,8 @@ def test_flops_hand_count():
     assert (enc, dec) == (6720, 13568)
     cfg = M.Config(vocab_size=10, n_enc_layers=1, n_dec_layers=1, d_model=8, d_ff=16, n_heads=2)
     assert bench.flops_per_step(cfg, B=2, S=3, T=4) == 3 * (enc + dec + 2 * 8 * 8 * 10) == 64704
+    # train.py projects only the real target tokens onto the vocabulary: 5 of the 8 positions here
+    assert bench.flops_per_step(cfg, B=2, S=3, T=4, tokens=5) == 3 * (enc + dec + 2 * 5 * 8 * 10)
 
 
 @pytest.mark.filterwarnings('ignore:enable_nested_tensor')  # the built-in's pre-norm notice

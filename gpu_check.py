@@ -24,12 +24,14 @@ GPU = dict(limits=dict(tests=150, bench=75, train=180, translate=40), deadline=4
            bench=[('base', 25000), ('base', 4096), ('big', 25000), ('big', 4096)],
            bench_args='--device cuda --compile on --dtype bfloat16 --warmup 30 --steps 10',
            train=dict(max_tokens=25000, compile=True, device='cuda'), translate='--device cuda',
+           data_bench='--warmup 10 --steps 10',  # Multi30k at 25000 tokens: 20 batches in an epoch
            env=dict(PYTHONUNBUFFERED='1'))
 # bench.py's tiny model and batch, trained as such. One thread each (as test_train.py): with two on a 2-core
 # machine that another process also uses, tiny steps took 1.5 s instead of 10 ms.
 TINY = dict(limits=dict(tests=60, bench=60, train=60, translate=60), deadline=170, steps=12, log=4,
             bench=[('tiny', 256), ('tiny', 128)], bench_args='--device cpu --compile off --dtype float32 '
             '--warmup 1 --steps 2 --decode-sents 4 --decode-len 4', translate='--device cpu --max-len-b 8',
+            data_bench='',
             train=dict(max_tokens=256, compile=False, device='cpu', dtype='float32', n_enc_layers=2,
                        n_dec_layers=2, d_model=64, d_ff=128, n_heads=4),
             env=dict(PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1'))
@@ -41,15 +43,17 @@ def main():
     p.add_argument('out_dir'), p.add_argument('data_dir')
     p.add_argument('--tiny', action='store_true', help='tiny models on the CPU: a test that the check runs')
     p.add_argument('--stages', default='bench,train,translate,tests', help='a comma-separated subset')
+    p.add_argument('--deadline', type=float, help='seconds for all stages (default 400; tiny 170)')
     args = p.parse_args()
     mode, start, py, data = TINY if args.tiny else GPU, time.time(), sys.executable, args.data_dir
+    mode['deadline'] = args.deadline or mode['deadline']
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(data, 'meta.json'), encoding='utf-8') as f:
         meta = json.load(f)  # its languages: a custom corpus need not be en-de
     report = dict(mode='tiny' if args.tiny else 'gpu', data_dir=data, stages=[],
                   data={k: meta.get(k) for k in ('name', 'src', 'tgt', 'vocab_size', 'splits')},
-                  note="train.py trains on DATA_DIR's vocabulary and sentence lengths, bench.py on synthetic "
-                       "WMT-like batches of its config's vocabulary: vs_bench compares unlike steps")
+                  note="vs_bench: train.py against bench.py's compiled row on the same data and batch size ('bench "
+                       "data'); MFU: the synthetic WMT-like rows, at WMT's vocabulary of 37000")
 
     def run(name, kind, cmd, numbers, **env):
         """cmd in a process group of its own, killed whole at its limit (compile workers, torchrun's ranks);
@@ -89,6 +93,11 @@ def main():
                                             *mode['bench_args'].split()], bench_numbers)
                for c, n in mode['bench']]
     run(*benches[0])
+    # train.py's yardstick: bench.py on the same data, model and batch size (the first epoch's batches)
+    cfg, n = mode['bench'][0][0], mode['train']['max_tokens']
+    run(f'bench data {n}', 'bench', [py, 'bench.py', '--data', data, '--config', cfg, '--batch-tokens', str(n),
+                                     '--json', *mode['bench_args'].split(), *mode['data_bench'].split()],
+        bench_numbers)
     with tempfile.TemporaryDirectory() as tmp:  # the run's checkpoints: hundreds of MB at base size
         run_dir = os.path.join(tmp, 'run')
         settings = dict(data_dir=data, out_dir=run_dir, max_steps=mode['steps'], log_interval=mode['log'],
@@ -134,8 +143,9 @@ def train_numbers(run_dir, out, err, report, compiled):
              tgt_tok_per_s=[round(r['tok_per_s']) for r in logs], vocab_size=report['data']['vocab_size'],
              params=re.search(r'model: ([\d.]+M) parameters', out)[1], recompiles=err.count('Recompiling'),
              eager_fallback=bool(re.search(r'recompile_limit|cache_size_limit', err)))
-    bench = next((s for s in report['stages'] if s['name'].startswith('bench') and 'rows' in s), None)
-    if bench:  # its model.py row in train.py's mode (the first bench run: the same batch size)
+    benches = [s for s in report['stages'] if s['name'].startswith('bench') and 'rows' in s]
+    bench = next((s for s in benches if s['name'].startswith('bench data')), benches[0] if benches else None)
+    if bench:  # its model.py row in train.py's mode: bench.py on the same data, else the first bench run
         mode = 'compile' if compiled else 'eager'
         row = next(r for r in bench['rows'] if r['impl'] == 'ours' and r['mode'] == mode)
         n.update(bench_row=f"{bench['name']} {row['mode']}", bench_steps_per_s=1e3 / row['step_ms'],

@@ -180,16 +180,16 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode_on_the_cpu(data_dir, tmp_path):
     report = json.loads((out / 'report.json').read_text())
     stages = {s['name']: s for s in report['stages']}
     assert {k: s['status'] for k, s in stages.items()} == dict.fromkeys(
-        ['test_gpu.py', 'bench tiny 256', 'train wmt_base', 'translate beam', 'translate greedy',
+        ['test_gpu.py', 'bench tiny 256', 'bench data 256', 'train wmt_base', 'translate beam', 'translate greedy',
          'bench tiny 128'], 'ok'), (out / 'summary.txt').read_text()
     assert res.returncode == 0 and report['data']['src'] == 'xx'  # the languages of meta.json
     assert stages['test_gpu.py']['counts']['skipped'] >= 8 and not stages['test_gpu.py']['failures']
-    for name in ('bench tiny 256', 'bench tiny 128'):
+    for name in ('bench tiny 256', 'bench data 256', 'bench tiny 128'):
         assert {r['mode'] for r in stages[name]['rows']} == {'eager'} and all(
             r['step_ms'] > 0 and r['mfu'] > 0 for r in stages[name]['rows'])
     train = stages['train wmt_base']
     assert train['steps'] == 12 and train['steps_per_s'] > 0 and train['recompiles'] == 0
-    assert train['bench_row'] == 'bench tiny 256 eager' and train['vs_bench'] > 0
+    assert train['bench_row'] == 'bench data 256 eager' and train['vs_bench'] > 0
     assert all(stages[f'translate {s}']['sents_per_s'] > 0 and stages[f'translate {s}']['bleu'] >= 0
                for s in ('beam', 'greedy'))
     assert sorted(os.listdir(out)) == ['bench.log', 'report.json', 'summary.txt', 'tests.log', 'train.log',

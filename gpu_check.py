@@ -17,10 +17,10 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Seconds per stage, each cut to what is left of the deadline (the call's 420 s less a margin). The order:
-# the first bench run (train.py's yardstick), train, translate, tests, the other bench runs; what the
-# deadline leaves out is reported as skipped, for a second call with --stages.
-GPU = dict(limits=dict(tests=150, bench=75, train=180, translate=40), deadline=400, steps=300, log=50,
+# Seconds per stage, each cut to what is left of the deadline (the call's 420 s less a margin), from an H200
+# call (docs/performance.md). The order: the first bench run, bench on DATA_DIR (train.py's yardstick), train,
+# translate, tests, the other bench runs; what the deadline leaves out is skipped, for a call with --stages.
+GPU = dict(limits=dict(tests=180, bench=90, train=180, translate=40), deadline=400, steps=300, log=50,
            bench=[('base', 25000), ('base', 4096), ('big', 25000), ('big', 4096)],
            bench_args='--device cuda --compile on --dtype bfloat16 --warmup 30 --steps 10',
            train=dict(max_tokens=25000, compile=True, device='cuda'), translate='--device cuda',
@@ -52,8 +52,8 @@ def main():
         meta = json.load(f)  # its languages: a custom corpus need not be en-de
     report = dict(mode='tiny' if args.tiny else 'gpu', data_dir=data, stages=[],
                   data={k: meta.get(k) for k in ('name', 'src', 'tgt', 'vocab_size', 'splits')},
-                  note="vs_bench: train.py against bench.py's compiled row on the same data and batch size ('bench "
-                       "data'); MFU: the synthetic WMT-like rows, at WMT's vocabulary of 37000")
+                  note="vs_bench: train.py against bench.py's compiled row on the same data and batch size "
+                       "('bench data'); MFU: the synthetic WMT-like rows, at WMT's vocabulary of 37000")
 
     def run(name, kind, cmd, numbers, **env):
         """cmd in a process group of its own, killed whole at its limit (compile workers, torchrun's ranks);
@@ -95,8 +95,8 @@ def main():
     run(*benches[0])
     # train.py's yardstick: bench.py on the same data, model and batch size (the first epoch's batches)
     cfg, n = mode['bench'][0][0], mode['train']['max_tokens']
-    run(f'bench data {n}', 'bench', [py, 'bench.py', '--data', data, '--config', cfg, '--batch-tokens', str(n),
-                                     '--json', *mode['bench_args'].split(), *mode['data_bench'].split()],
+    run(f'bench data {n}', 'bench', [py, 'bench.py', '--data', data, '--config', cfg, '--batch-tokens',
+                                     str(n), '--json', *f"{mode['bench_args']} {mode['data_bench']}".split()],
         bench_numbers)
     with tempfile.TemporaryDirectory() as tmp:  # the run's checkpoints: hundreds of MB at base size
         run_dir = os.path.join(tmp, 'run')

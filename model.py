@@ -222,14 +222,14 @@ def loss_chunk(x, weight, target, eps):
     tensor2tensor and fairseq the target gets 1 - eps, other ids eps / (V - 1): a NLL + b sum_v -log p_v."""
     V = weight.size(0)
     a, b = 1.0 - eps - eps / (V - 1), eps / (V - 1)
-    logits = F.linear(x, weight).float()
+    logits = F.linear(x, weight).float()  # x and weight in the compute dtype: no cast per chunk
     top, picked, total = logits.amax(-1, keepdim=True), logits.gather(1, target[:, None]), logits.sum(-1)
     p = logits.sub_(top).exp_()  # in place, as are the steps below: no other (rows x V) matrix
     lse = top + (norm := p.sum(-1, keepdim=True)).log()  # log sum exp
     nll = (lse - picked).squeeze(1)
     loss = (a * nll + b * (V * lse.squeeze(1) - total)).sum()
     g = p.mul_((a + b * V) / norm).sub_(b)  # d loss / d logits = softmax (a + b V) - b, and - a at the target
-    return loss, nll.sum(), g.scatter_add_(1, target[:, None], torch.full_like(norm, -a))
+    return loss, nll.sum(), g.scatter_add_(1, target[:, None], torch.full_like(norm, -a)).to(x.dtype)
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):
@@ -241,14 +241,13 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype  # as F.linear's
         grad_x = x.new_empty(x.shape, dtype=torch.float32) if grad else None
         grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if grad else None
-        loss, nll, w = 0.0, 0.0, weight.to(dtype)
+        loss, nll, w, x = 0.0, 0.0, weight.to(dtype), x.to(dtype)  # cast once, not per chunk
         for i in range(0, x.size(0), rows):
-            loss_i, nll_i, g = chunk_fn(x[i:i + rows], weight, target[i:i + rows], eps)
+            loss_i, nll_i, g = chunk_fn(x[i:i + rows], w, target[i:i + rows], eps)
             loss, nll = loss + loss_i, nll + nll_i
             if grad:
-                g = g.to(dtype)
                 grad_x[i:i + rows] = g @ w
-                grad_w += g.t() @ x[i:i + rows].to(dtype)
+                grad_w += g.t() @ x[i:i + rows]
         ctx.save_for_backward(grad_x, grad_w)
         ctx.mark_non_differentiable(nll)
         return loss, nll
@@ -259,9 +258,10 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         return (grad_x * grad_loss).to(ctx.x_dtype), grad_w * grad_loss, None, None, None, None
 
 
-def label_smoothed_loss(x, weight, target, eps=0.1, chunk_fn=loss_chunk, elements=2 ** 24):
+def label_smoothed_loss(x, weight, target, eps=0.1, chunk_fn=loss_chunk, elements=None):
     """Section 5.4 over real target tokens' decoder states x (N, d_model) -> summed smoothed loss, NLL."""
-    rows = max(1, elements // weight.size(0))  # a chunk's float32 logits: 64 MB at most, never all of them
+    # A chunk's float32 logits: 64 MB on a CPU (memory), 1 GB on a GPU (each chunk is a pass over grad W)
+    rows = max(1, (elements or 2 ** (24 if x.device.type == 'cpu' else 28)) // weight.size(0))
     return SmoothedCrossEntropy.apply(x, weight, target, eps, chunk_fn, rows)
 
 

@@ -180,8 +180,8 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode_on_the_cpu(data_dir, tmp_path):
     report = json.loads((out / 'report.json').read_text())
     stages = {s['name']: s for s in report['stages']}
     assert {k: s['status'] for k, s in stages.items()} == dict.fromkeys(
-        ['test_gpu.py', 'bench tiny 256', 'bench data 256', 'train wmt_base', 'translate beam', 'translate greedy',
-         'bench tiny 128'], 'ok'), (out / 'summary.txt').read_text()
+        ['test_gpu.py', 'bench tiny 256', 'bench data 256', 'train wmt_base', 'translate beam',
+         'translate greedy', 'bench tiny 128'], 'ok'), (out / 'summary.txt').read_text()
     assert res.returncode == 0 and report['data']['src'] == 'xx'  # the languages of meta.json
     assert stages['test_gpu.py']['counts']['skipped'] >= 8 and not stages['test_gpu.py']['failures']
     for name in ('bench tiny 256', 'bench data 256', 'bench tiny 128'):

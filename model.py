@@ -76,10 +76,10 @@ class MultiHeadAttention(nn.Module):
                     order = cache.pop('order', None)  # reorder_cache's, applied in the same copy
                     k, v = extend(cache['k'], k, order), extend(cache['v'], v, order)
                 cache['k'], cache['v'] = k, v
-            T, S = q.size(2), k.size(2)
-            if causal and 1 < T < S:  # is_causal aligns top-left: after a cached prefix, align bottom-right
-                mask, causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
-            causal = causal and T > 1  # one new query may see every key
+                T, S = q.size(2), k.size(2)
+                if causal and T < S:  # is_causal aligns top-left: after a cached prefix, align bottom-right
+                    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T) if T > 1 else None
+                    causal = False  # (one new query sees every key); in training a plain bool: no graph break
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            dropout_p=self.attn_dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(x.shape))

@@ -115,6 +115,17 @@ def test_cached_decoding_compiles_as_one_graph():
             M.reorder_cache(eager_cache, order)
 
 
+def test_training_layers_compile_as_one_graph_each():
+    # train.py compiles each layer with dynamic shapes: a graph break (once: a symbolic is_causal) leaves
+    # pieces of every decoder layer eager, unfused, between graphs.
+    m = tiny().train()
+    src, tgt = pad_batch([[5, 6, 7, EOS], [9, 10, EOS]]), torch.tensor([[BOS, 5, 6], [BOS, 8, 9]])
+    for layer in [*m.encoder, *m.decoder]:
+        layer.compile(backend='eager', fullgraph=True, dynamic=True)  # a graph break raises
+    for n in (3, 5):
+        m(src, torch.cat([tgt] * n, 1)).sum().backward()
+
+
 def test_positional_encoding_matches_formula():
     pe = M.sinusoidal_positions(100, 16)
     for pos, i in [(0, 0), (1, 0), (7, 3), (50, 5), (99, 7)]:

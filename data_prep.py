@@ -239,8 +239,7 @@ def load_meta(data_dir):
     return read_json(os.path.join(data_dir, 'meta.json'))
 
 def load_split(data_dir, split):
-    """-> (src tokens, src offsets, tgt tokens, tgt offsets), memory-mapped; a side's sentence i (no BOS/EOS)
-    is tokens[offsets[i]:offsets[i + 1]]."""
+    """-> memory-mapped src tokens, src offsets, tgt tokens, tgt offsets; sentence i: tokens[o[i]:o[i + 1]]"""
     damaged = f'error: {data_dir} is incomplete or damaged ({split}'
     try:
         meta, sides = load_meta(data_dir), []
@@ -474,12 +473,13 @@ def fast_dtype(device_type):
     isas = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False) for isa in ('avx512_bf16', 'amx_tile')]
     return 'bfloat16' if device_type == 'cpu' and any(f() for f in isas) else 'float32'
 
-def keep_freed_memory():
+def keep_freed_memory(keep=True):
     """Keep freed memory (a batch's logits) in the process, not faulted in again page by page (glibc gives
-    blocks over 32 MB back to the OS; docs/performance.md). -> False without glibc."""
-    with contextlib.suppress(OSError):
-        libc = ctypes.CDLL('libc.so.6')
-        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, 2 ** 30))  # M_MMAP_MAX, M_TRIM_THRESHOLD
+    blocks over 32 MB back to the OS; docs/performance.md); keep=False gives back each freed block of 8 MB or
+    more at once: a lower peak, paid in page faults (checkpoint_activations). -> False without glibc."""
+    with contextlib.suppress(OSError):  # glibc's M_MMAP_MAX, M_TRIM_THRESHOLD; M_MMAP_THRESHOLD
+        opts = [(-4, 0), (-1, 2 ** 30)] if keep else [(-3, 2 ** 23)]
+        return all(ctypes.CDLL('libc.so.6').mallopt(*o) for o in opts)
     return False
 
 def source_files(args, key):

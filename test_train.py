@@ -206,6 +206,24 @@ def test_resume_is_exact(run, data_dir, tmp_path):
     assert_same_params(params(out, 'ckpt.pt'), params(run[0], 'ckpt.pt'))  # the step-3 snapshot was written
 
 
+def test_activation_checkpointing_trains_the_same_steps(run, data_dir, tmp_path):
+    # Backward recomputes each layer's forward, dropout masks included: the same losses and weights.
+    counted = (  # train.py with torch.utils.checkpoint counting its calls
+        "import atexit, runpy, sys, torch.utils.checkpoint as c\n"
+        "f, calls = c.checkpoint, []\n"
+        "c.checkpoint = lambda *a, **k: calls.append(1) or f(*a, **k)\n"
+        "atexit.register(lambda: print('checkpointed layer calls', len(calls)))\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    res = train(['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0',
+                 '--checkpoint_activations=True'], tmp_path, data_dir,
+                launcher=[sys.executable, '-c', counted])
+    assert int(res.stdout.split('checkpointed layer calls')[1]) >= 6 * 2  # 6 steps of 1+1 layers at least
+    assert losses(tmp_path) == losses(run[0])
+    assert_same_params(params(tmp_path, 'ckpt_0000006.pt'), params(run[0], 'ckpt_0000006.pt'))
+
+
 def test_ddp_two_processes_equal_one_process_with_update_freq_2(data_dir, tmp_path):
     # Validation is split across the ranks: its loss and BLEU must still be those of one process.
     common = ['--max_steps=4', '--dropout=0.0', '--save_interval=4', '--bleu_interval=0']

@@ -74,6 +74,7 @@ clip_grad = 0.0              # max gradient norm (0 = off; the paper does not cl
 device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'               # 'auto' (bf16 where native), 'bfloat16', 'float32', 'float16' (GPU, scaled)
 compile = False
+checkpoint_activations = False  # backward recomputes each layer from its input: less memory, more compute
 seed = 1337
 max_bad_steps = 20           # consecutive non-finite updates before giving up
 ddp_timeout_minutes = 60.0   # how long a rank waits in a collective (NCCL's default, 10, is short for a save)
@@ -118,11 +119,11 @@ if dtype == 'bfloat16' != data_prep.fast_dtype(device_type):
     log(f"warning: this {device_type} has no native bfloat16 matrix multiply: far slower than float32")
 dtype = data_prep.fast_dtype(device_type) if dtype == 'auto' else dtype
 torch.manual_seed(seed + rank)
-if device_type == 'cpu':
-    data_prep.keep_freed_memory()
-    if dtype == 'bfloat16':  # at sentence lengths the CPU flash kernel is slower (docs/performance.md)
-        torch.backends.cuda.enable_flash_sdp(False)
-else:  # cuDNN attention plans anew for each shape: bf16 ran 5-10x slower on an H100 (docs/performance.md)
+if device_type == 'cpu':  # kept: faster steps; given back: the lower peak checkpointing is for
+    data_prep.keep_freed_memory(keep=not checkpoint_activations)
+if device_type == 'cpu' and dtype == 'bfloat16':  # at sentence lengths the CPU flash kernel is slower
+    torch.backends.cuda.enable_flash_sdp(False)
+if device_type == 'cuda':  # cuDNN attention plans anew for each shape: bf16 ran 5-10x slower on an H100
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
 autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != 'float32')
@@ -238,8 +239,7 @@ def epoch_plan(epoch):  # the same on every rank: the seed and the epoch decide 
     return plan
 
 def updates(epoch, batch_idx, plan):
-    # Each update's epoch, next batch_idx, target tokens over all ranks (known to each: normalised by them,
-    # N ranks = update_freq N) and this rank's micro-batches.
+    # -> epoch, next batch_idx, the update's target tokens over all ranks (each normalises by them), batches
     n = world * update_freq
     while True:
         if batch_idx + n > len(plan):  # the epoch's last batches do not fill an update
@@ -261,6 +261,8 @@ if init_from != 'resume' and run_files:  # --overwrite: only now that every inpu
         dist.barrier()  # every rank has listed the old run
     for f in run_files if master else []:
         os.remove(os.path.join(out_dir, f))
+for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations else []:  # as fairseq's
+    layer.forward = lambda *a, f=layer.forward: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
 for layer in (*raw_model.encoder, *raw_model.decoder) if compile else []:  # as bench.py measures it: per
     layer.compile(dynamic=True)  # layer (identical ones share one graph), batch shapes symbolic
 chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chunk  # the loss's chunks
@@ -359,8 +361,7 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
     f"x max_tokens {max_tokens}; device {device}, {dtype}; ready {time.time() - _t_process:.1f}s after start")
 t_start = (t_last := time.time()) - elapsed
 # clock: the training time all ranks agree on (under DDP at log steps, where the host waits for the GPU).
-tokens_since, clock, last_save = 0, elapsed, elapsed
-# Kept on the device and read only at log steps: a .item() per step would stall the GPU queue.
+tokens_since, clock, last_save = 0, elapsed, elapsed  # the sums below: on the device until a log step too
 loss_acc, nll_acc, bad_run, worst_run, skipped = (torch.zeros((), device=device) for _ in range(5))
 if max_minutes > 0 and elapsed > max_minutes * 60:  # resumed after its time ran out: not one more step
     max_steps = step
@@ -425,8 +426,7 @@ while step < max_steps:
         tokens_since = 0
         for t in (loss_acc, nll_acc, worst_run, skipped):
             t.zero_()
-    if ((eval_interval and step % eval_interval == 0) or (bleu_interval > 0 and step % bleu_interval == 0)) \
-            and step != max_steps:
+    if step != max_steps and any(n > 0 and step % n == 0 for n in (eval_interval, bleu_interval)):
         evaluate()
     if (save_interval and step % save_interval == 0) or step == max_steps \
             or (save_minutes > 0 and clock - last_save > save_minutes * 60):

@@ -4,6 +4,8 @@ positions (as train.py computed it until d2e49a4) against model.label_smoothed_l
     python docs/loss_ab.py data/multi30k_en_de step   # the recipe's step, alternating in one process
     python docs/loss_ab.py - mem chunked|plain        # one 25k-token step of base, vocabulary 37000
     python docs/loss_ab.py - memtiny chunked|plain    # the same, a tiny model (d_model 64, 1+1 layers)
+    python docs/loss_ab.py - mem checkpointed         # chunked, with train.py's checkpoint_activations=True
+    PAIR=chunked,checkpointed python docs/loss_ab.py data/multi30k_en_de step   # what recomputing costs
 DTYPE=float32 picks float32 (default: data_prep.fast_dtype). Measurements, not a test: free cores.
 """
 
@@ -48,8 +50,18 @@ def build(cfg):  # the model as train.py trains it on a CPU, and its optimizer
     return model, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
 
 
+def checkpointed(model, on):  # as train.py's checkpoint_activations: backward recomputes each layer
+    for layer in (*model.encoder, *model.decoder):
+        if on:
+            f = type(layer).forward.__get__(layer)
+            layer.forward = lambda *a, f=f: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
+        else:
+            layer.__dict__.pop('forward', None)
+
+
 def step(model, opt, batch, how, autocast, pad):
     src, tgt_in, tgt_out = batch
+    checkpointed(model, how == 'checkpointed')
     with autocast:
         if how == 'plain':
             loss, _, n = plain_loss(model(src, tgt_in), tgt_out, 0.1, pad)
@@ -67,7 +79,7 @@ def step(model, opt, batch, how, autocast, pad):
 
 if __name__ == '__main__':
     data_dir, mode = sys.argv[1], sys.argv[2]
-    data_prep.keep_freed_memory()
+    data_prep.keep_freed_memory(keep=sys.argv[3:] != ['checkpointed'])  # as train.py on a CPU
     dtype = __import__('os').environ.get('DTYPE') or data_prep.fast_dtype('cpu')
     if dtype == 'bfloat16':
         torch.backends.cuda.enable_flash_sdp(False)
@@ -93,20 +105,20 @@ if __name__ == '__main__':
             tgt_out[rows] = targets
             batches.append(tuple(map(torch.from_numpy, (src, tgt_in, tgt_out.reshape(tgt_in.shape)))))
         model, opt = build(cfg)
-        for b in batches[:10]:  # warm-up, both paths
-            step(model, opt, b, 'plain', autocast, 0), step(model, opt, b, 'chunked', autocast, 0)
-        times = {'plain': [], 'chunked': []}
+        a, b = os.environ.get('PAIR', 'plain,chunked').split(',')
+        for batch in batches[:10]:  # warm-up, both paths
+            step(model, opt, batch, a, autocast, 0), step(model, opt, batch, b, autocast, 0)
+        times = {a: [], b: []}
         for r in range(12):  # rounds of 10 steps each, alternating which path goes first
-            for how in (('plain', 'chunked') if r % 2 == 0 else ('chunked', 'plain')):
+            for how in ((a, b) if r % 2 == 0 else (b, a)):
                 t = time.perf_counter()
-                for b in batches[10 + 10 * r : 20 + 10 * r]:
-                    step(model, opt, b, how, autocast, 0)
+                for batch in batches[10 + 10 * r : 20 + 10 * r]:
+                    step(model, opt, batch, how, autocast, 0)
                 times[how].append(time.perf_counter() - t)
         med = {k: float(np.median(v)) / 10 * 1e3 for k, v in times.items()}
         print(
-            f"dtype {dtype}: ms/step, median of 12 rounds of 10: plain {med['plain']:.1f}, "
-            f"chunked {med['chunked']:.1f}, "
-            f"chunked/plain {med['chunked'] / med['plain']:.3f}"
+            f"dtype {dtype}: ms/step, median of 12 rounds of 10: {a} {med[a]:.1f}, {b} {med[b]:.1f}, "
+            f"{b}/{a} {med[b] / med[a]:.3f}"
         )
     else:  # one 25k-token step of base with a 37000 vocabulary: peak resident memory
         how = sys.argv[3]

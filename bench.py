@@ -77,11 +77,11 @@ def synthetic_split(n, vocab, seed=0, median=25, cap=250):
 
 
 def make_batches(data, cfg, batch_tokens, n, device):
-    """The first n batches of train.py's first epoch over data, as train.py's get_batch makes them:
-    -> [(src, tgt_in, rows of the real target tokens, their targets)] on device."""
-    return [tuple(torch.from_numpy(a).to(device) for a in
-                  data_prep.collate(data, ids, cfg.pad_id, cfg.bos_id, cfg.eos_id))
-            for ids in data_prep.batch_plan(data, batch_tokens, seed=0, epoch=0)[:n]]
+    """The first n batches of train.py's epochs over data (seed 0; a short corpus goes on to its next epoch),
+    as get_batch makes them: -> [(src, tgt_in, the real target tokens' rows, their targets)] on device."""
+    plans = (ids for epoch in range(n) for ids in data_prep.batch_plan(data, batch_tokens, 0, epoch))
+    collate = lambda ids: data_prep.collate(data, ids, cfg.pad_id, cfg.bos_id, cfg.eos_id)
+    return [tuple(torch.from_numpy(a).to(device) for a in collate(ids)) for _, ids in zip(range(n), plans)]
 
 
 class Builtin(nn.Module):

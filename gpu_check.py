@@ -24,14 +24,12 @@ GPU = dict(limits=dict(tests=180, bench=90, train=180, translate=40), deadline=4
            bench=[('base', 25000), ('base', 4096), ('big', 25000), ('big', 4096)],
            bench_args='--device cuda --compile on --dtype bfloat16 --warmup 30 --steps 10',
            train=dict(max_tokens=25000, compile=True, device='cuda'), translate='--device cuda',
-           data_bench='--warmup 10 --steps 10',  # Multi30k at 25000 tokens: 20 batches in an epoch
            env=dict(PYTHONUNBUFFERED='1'))
 # bench.py's tiny model and batch, trained as such. One thread each (as test_train.py): with two on a 2-core
 # machine that another process also uses, tiny steps took 1.5 s instead of 10 ms.
 TINY = dict(limits=dict(tests=60, bench=60, train=60, translate=60), deadline=170, steps=12, log=4,
             bench=[('tiny', 256), ('tiny', 128)], bench_args='--device cpu --compile off --dtype float32 '
             '--warmup 1 --steps 2 --decode-sents 4 --decode-len 4', translate='--device cpu --max-len-b 8',
-            data_bench='',
             train=dict(max_tokens=256, compile=False, device='cpu', dtype='float32', n_enc_layers=2,
                        n_dec_layers=2, d_model=64, d_ff=128, n_heads=4),
             env=dict(PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1'))
@@ -96,7 +94,7 @@ def main():
     # train.py's yardstick: bench.py on the same data, model and batch size (the first epoch's batches)
     cfg, n = mode['bench'][0][0], mode['train']['max_tokens']
     run(f'bench data {n}', 'bench', [py, 'bench.py', '--data', data, '--config', cfg, '--batch-tokens',
-                                     str(n), '--json', *f"{mode['bench_args']} {mode['data_bench']}".split()],
+                                     str(n), '--json', *mode['bench_args'].split()],
         bench_numbers)
     with tempfile.TemporaryDirectory() as tmp:  # the run's checkpoints: hundreds of MB at base size
         run_dir = os.path.join(tmp, 'run')

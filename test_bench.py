@@ -83,6 +83,16 @@ def test_synthetic_pairs_load_as_a_split_and_batch_as_training_does(prepared):
         assert torch.equal(tgt_in[:, 1:], shifted.masked_fill(shifted == cfg.eos_id, cfg.pad_id))
 
 
+def test_batches_go_on_into_the_next_epoch_when_one_is_short(prepared):
+    # Multi30k makes 20 batches of 25000 tokens: bench.py --data at that size once timed none (divided by 0).
+    folder, data = prepared
+    cfg = M.Config(**{**bench.CONFIGS['tiny'], **IDS})
+    n = len(data_prep.batch_plan(data, 512, 0, 0))
+    batches = bench.make_batches(data, cfg, 512, n + 2, 'cpu')
+    second = data_prep.batch_plan(data, 512, 0, 1)[:2]
+    assert len(batches) == n + 2 and [len(b[0]) for b in batches[n:]] == list(map(len, second))
+
+
 @pytest.mark.parametrize('real', [False, True])
 def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(prepared, real):
     # On a data folder: its vocabulary and ids, and both dtypes (bf16 where native: emulated takes minutes).

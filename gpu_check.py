@@ -91,7 +91,7 @@ def main():
                                             *mode['bench_args'].split()], bench_numbers)
                for c, n in mode['bench']]
     run(*benches[0])
-    # train.py's yardstick: bench.py on the same data, model and batch size (the first epoch's batches)
+    # train.py's yardstick: bench.py on the same data, model and batch size (train.py's first batches)
     cfg, n = mode['bench'][0][0], mode['train']['max_tokens']
     run(f'bench data {n}', 'bench', [py, 'bench.py', '--data', data, '--config', cfg, '--batch-tokens',
                                      str(n), '--json', *mode['bench_args'].split()],

@@ -79,7 +79,7 @@ class MultiHeadAttention(nn.Module):
                 T, S = q.size(2), k.size(2)
                 if causal and T < S:  # is_causal aligns top-left: after a cached prefix, align bottom-right
                     mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T) if T > 1 else None
-                    causal = False  # (one new query sees every key); in training a plain bool: no graph break
+                    causal = False  # T == 1 sees all keys; training passes a bool (a SymBool: graph break)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            dropout_p=self.attn_dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(x.shape))

@@ -39,8 +39,7 @@ overwrite = False            # a new run into an out_dir that holds one: True de
 log_interval = 100           # steps
 eval_interval = 1000         # validation loss every N steps (0 = only at the end)
 bleu_interval = 0            # validation BLEU every N steps (0: at the end, -1: never); best in ckpt_best.pt
-bleu_beam = 4
-bleu_lenpen = 0.6            # of validation BLEU and translate.py's default for the model (section 6.1)
+bleu_beam, bleu_lenpen = 4, 0.6  # validation BLEU's; the lenpen is also translate.py's default (section 6.1)
 save_interval = 1000         # checkpoint every N steps ...
 save_minutes = 0.0           # ... and/or every N minutes (the paper: every 10 minutes)
 keep_last = 5                # weights-only ckpt_STEP.pt snapshots kept, for averaging
@@ -261,8 +260,9 @@ if init_from != 'resume' and run_files:  # --overwrite: only now that every inpu
         dist.barrier()  # every rank has listed the old run
     for f in run_files if master else []:
         os.remove(os.path.join(out_dir, f))
-for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations else []:  # as fairseq's
-    layer.forward = lambda *a, f=layer.forward: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
+for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations else []:  # as fairseq's; not
+    layer.forward = lambda *a, f=layer.forward: (torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
+                                                 if torch.is_grad_enabled() else f(*a))  # in eval or decoding
 for layer in (*raw_model.encoder, *raw_model.decoder) if compile else []:  # as bench.py measures it: per
     layer.compile(dynamic=True)  # layer (identical ones share one graph), batch shapes symbolic
 chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chunk  # the loss's chunks

@@ -72,8 +72,8 @@ for name, steps in versions.items():
 timed = batches[args.warmup:]
 flops = sum(bench.flops_per_step(cfg, s.size(0), s.size(1), t.size(1), len(r)) for s, t, r, _ in timed)
 times = {name: [] for name in versions}
-for _ in range(args.rounds):
-    for name, steps in versions.items():
+for r in range(args.rounds):  # which version goes first alternates
+    for name, steps in list(versions.items())[::-1 if r % 2 else 1]:
         times[name].append(bench.timed(lambda: steps(timed), dev)[1])
 peak = bench.PEAKS['h100']['bfloat16']  # the H200's too
 print(f'{bench.device_name(dev)}, torch {torch.__version__}; {args.config}, {args.batch_tokens} tokens, '
@@ -81,7 +81,9 @@ print(f'{bench.device_name(dev)}, torch {torch.__version__}; {args.config}, {arg
 for name, ts in times.items():
     median, each = statistics.median(ts), ', '.join(f'{1e3 * t / args.steps:.1f}' for t in ts)
     print(f'{name:<5} {1e3 * median / args.steps:6.1f} ms/step (rounds {each}), '
-          f'MFU {flops / median / peak:.1%}, old/this {statistics.median(times.get("old", ts)) / median:.3f}')
+          f'MFU {flops / median / peak:.1%}')
+if args.old:
+    print(f"old/this: {statistics.median(times['old']) / statistics.median(times['this']):.3f}")
 if args.profile and dev.type == 'cuda':
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         versions['this'](timed[:4])

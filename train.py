@@ -385,7 +385,7 @@ while step < max_steps:
             nll_acc += nll
     except torch.cuda.OutOfMemoryError:
         sys.exit(f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise update_freq "
-                 f"to keep the same tokens per update")
+                 f"to keep the same tokens per update, or recompute with checkpoint_activations=True")
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip_grad or math.inf)
     # A non-finite norm (all-reduced: every rank agrees) skips the update, as the fp16 grad scaler does.

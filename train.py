@@ -260,9 +260,9 @@ if init_from != 'resume' and run_files:  # --overwrite: only now that every inpu
         dist.barrier()  # every rank has listed the old run
     for f in run_files if master else []:
         os.remove(os.path.join(out_dir, f))
-for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations else []:  # as fairseq's; not
+for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations else []:  # fairseq's option
     layer.forward = lambda *a, f=layer.forward: (torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
-                                                 if torch.is_grad_enabled() else f(*a))  # in eval or decoding
+                                                 if torch.is_grad_enabled() else f(*a))  # no_grad: nothing to save
 for layer in (*raw_model.encoder, *raw_model.decoder) if compile else []:  # as bench.py measures it: per
     layer.compile(dynamic=True)  # layer (identical ones share one graph), batch shapes symbolic
 chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chunk  # the loss's chunks

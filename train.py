@@ -262,7 +262,7 @@ if init_from != 'resume' and run_files:  # --overwrite: only now that every inpu
         os.remove(os.path.join(out_dir, f))
 for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations else []:  # fairseq's option
     layer.forward = lambda *a, f=layer.forward: (torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
-                                                 if torch.is_grad_enabled() else f(*a))  # no_grad: nothing to save
+                                                 if torch.is_grad_enabled() else f(*a))  # no_grad: none saved
 for layer in (*raw_model.encoder, *raw_model.decoder) if compile else []:  # as bench.py measures it: per
     layer.compile(dynamic=True)  # layer (identical ones share one graph), batch shapes symbolic
 chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chunk  # the loss's chunks

@@ -5,6 +5,7 @@ decoder (3.1) with shared embeddings (3.4); then the loss (5.4) and decoding (6.
 """
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -80,9 +81,35 @@ class MultiHeadAttention(nn.Module):
                 if causal and T < S:  # is_causal aligns top-left: after a cached prefix, align bottom-right
                     mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T) if T > 1 else None
                     causal = False  # T == 1 sees all keys; training passes a bool (a SymBool: graph break)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.attn_dropout if self.training else 0.0)
+        p = self.attn_dropout if self.training else 0.0
+        y = (packed_attention(q, k, v, *mask, causal, p) if isinstance(mask, tuple)  # (query, key) Packed
+             else F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p))
         return self.out_proj(y.transpose(1, 2).reshape(x.shape))
+
+
+class Packed(NamedTuple):
+    """Sentences laid end to end in one row, no padding (pack makes them): what attention needs to know."""
+    cu: torch.Tensor   # (sentences + 1,) int32: sentence i is the tokens cu[i]:cu[i + 1]
+    pos: torch.Tensor  # each token's position in its sentence (section 3.5)
+    max_len: int       # the longest sentence, or a bound on it
+
+    def to(self, device):
+        return self._replace(cu=self.cu.to(device), pos=self.pos.to(device))
+
+
+def packed_attention(q, k, v, rows_q, rows_k, causal, dropout_p):
+    """Attention within each sentence of packed rows; q, k, v (1, h, N, d_k) as heads() makes them."""
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, h, d_k) views: each head's d_k contiguous
+    if q.is_cuda:  # flash attention over variable lengths (the kernel of torch.nn.attention.varlen)
+        y = torch.ops.aten._flash_attention_forward(q, k, v, rows_q.cu, rows_k.cu, rows_q.max_len,
+                                                    rows_k.max_len, dropout_p, causal, False)[0]
+    else:  # the same by a block-diagonal mask over all N x N pairs: for tests, not speed
+        seg_q, seg_k = (torch.searchsorted(r.cu, torch.arange(len(t)), right=True) for r, t in
+                        ((rows_q, q), (rows_k, k)))
+        mask = (seg_q[:, None] == seg_k) & (rows_q.pos[:, None] >= rows_k.pos if causal else True)
+        y = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)), attn_mask=mask,
+                                           dropout_p=dropout_p).transpose(0, 1)
+    return y.transpose(0, 1)[None]
 
 
 class FeedForward(nn.Module):
@@ -123,9 +150,9 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
         self.dropout, self.pre_norm = nn.Dropout(cfg.dropout), cfg.pre_norm
 
-    def forward(self, x, memory, src_mask, cache=None):
+    def forward(self, x, memory, src_mask, cache=None, tgt_mask=None):  # tgt_mask: packed rows' alone
         self_cache, cross_cache = (None, None) if cache is None else (cache['self'], cache['cross'])
-        x = residual(x, lambda h: self.self_attn(h, causal=True, cache=self_cache),
+        x = residual(x, lambda h: self.self_attn(h, mask=tgt_mask, causal=True, cache=self_cache),
                      self.norm1, self.dropout, self.pre_norm)
         x = residual(x, lambda h: self.cross_attn(h, memory, mask=src_mask, cache=cross_cache),
                      self.norm2, self.dropout, self.pre_norm)
@@ -162,38 +189,66 @@ class Transformer(nn.Module):
     def num_params(self):  # the shared embedding counted once; the positional table is a buffer
         return sum(p.numel() for p in self.parameters())
 
-    def embed_tokens(self, tokens, start=0):
+    def embed_tokens(self, tokens, start=0):  # start: the first position, or each token's (packed rows)
         T = tokens.size(1)
+        if torch.is_tensor(start):
+            return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start])
         if start + T > self.cfg.max_len:
             raise ValueError(f"sequence of length {start + T} exceeds max_len={self.cfg.max_len}")
         return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start:start + T])
 
-    def encode(self, src):
+    def encode(self, src, packed=None):
         """src (B, S) -> memory (B, S, d_model) and the key-padding mask (B, 1, 1, S), True = attend."""
-        src_mask = (src != self.cfg.pad_id)[:, None, None, :]
-        x = self.embed_tokens(src)
+        src_mask = (src != self.cfg.pad_id)[:, None, None, :] if packed is None else (packed, packed)
+        x = self.embed_tokens(src, 0 if packed is None else packed.pos)
         for layer in self.encoder:
             x = layer(x, src_mask)
         return self.enc_norm(x), src_mask
 
-    def decode(self, tgt, memory, src_mask, cache=None):
+    def decode(self, tgt, memory, src_mask, cache=None, packed=None):
         """tgt (B, T) -> states (B, T, d_model); memory: a row per k beams; cached: only new positions."""
         start = 0 if cache is None or 'k' not in cache[0]['self'] else cache[0]['self']['k'].size(2)
-        x = self.embed_tokens(tgt, start)
+        x = self.embed_tokens(tgt, start if packed is None else packed.pos)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, src_mask, None if cache is None else cache[i])
+            x = layer(x, memory, src_mask, None if cache is None else cache[i], packed and (packed, packed))
         return self.dec_norm(x)
 
     def output(self, x):  # section 3.4: the pre-softmax linear transformation is the embedding matrix
         return F.linear(x, self.embed.weight)
 
-    def forward(self, src, tgt, rows=None):
-        """-> logits (B, T, V); with rows (of the B*T target positions), the decoder states there alone."""
-        x = self.decode(tgt, *self.encode(src))
+    def forward(self, src, tgt, rows=None, packed=None):
+        """-> logits (B, T, V); with rows (of the B*T target positions), the decoder states there alone.
+        packed: the (source, target) Packed of rows that pack() laid end to end (B = 1)."""
+        if packed is None:
+            x = self.decode(tgt, *self.encode(src))
+        else:  # the encoder's own pairs for self-attention; cross-attention pairs target with source
+            x = self.decode(tgt, self.encode(src, packed[0])[0], packed[::-1], packed=packed[1])
         return self.output(x) if rows is None else x.flatten(0, 1)[rows]
 
     def new_cache(self):
         return [{'self': {}, 'cross': {}} for _ in self.decoder]
+
+
+def pack(src, tgt_in, pad_id, size=None, max_len=None):
+    """Padded src (B, S), tgt_in (B, T) on the host -> each side's tokens end to end in one row (1, N), the
+    rows of the real targets (the first ones) and (source, target) Packed. size: both rows padded to it by
+    sentences of PAD (max_len at most), sentence counts to a power of two: few shapes, for CUDA graphs."""
+    sides = []
+    for x in (src, tgt_in):
+        keep = x != pad_id
+        tokens, pos, lens = x[keep], torch.arange(x.size(1)).expand_as(x)[keep], keep.sum(1).tolist()
+        if size is not None:
+            n = size - len(tokens)
+            tokens, pos = F.pad(tokens, (0, n), value=pad_id), torch.cat([pos, torch.arange(n) % max_len])
+            lens += [max_len] * (n // max_len) + [n % max_len] * (n % max_len > 0)
+        cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).int()
+        sides.append([tokens[None], cu, pos, max_len or max(lens)])
+    if size is not None:  # the same number of sentences on both sides: a power of two, the last ones empty
+        n = 2 ** math.ceil(math.log2(max(len(side[1]) for side in sides)))
+        for side in sides:
+            side[1] = F.pad(side[1], (0, n - len(side[1])), value=size)
+    (src, *s), (tgt, *t) = sides
+    return src, tgt, slice(0, int((tgt_in != pad_id).sum())), (Packed(*s), Packed(*t))
 
 
 def extend(past, new, order=None):

@@ -101,6 +101,20 @@ def test_cache_matches_full_forward_on_cuda_in_bfloat16():
     assert (steps - full).abs().max() < 0.1  # bf16 rounding differs between the two paths
 
 
+
+@cuda
+@pytest.mark.parametrize('pack_kw', [{}, dict(size=80, max_len=16)])
+def test_packed_flash_attention_gives_the_padded_loss_and_gradients_on_cuda(pack_kw):
+    from test_model import packed_and_padded_grads, pad_batch
+    m = tiny_model().cuda().train()
+    src = batch(m.cfg).cuda()
+    tgt_out = pad_batch([[5, 6, 7, 2], [8, 2], [3, 4, 5, 6, 7, 8, 9, 2], [4, 2], [9, 9, 2], [7, 2]]).cuda()
+    with torch.autocast('cuda', dtype=torch.bfloat16):
+        (want, want_g), (got, got_g) = packed_and_padded_grads(m, src, tgt_out, **pack_kw)
+    assert abs(got.item() - want.item()) < 1e-2 * abs(want.item())
+    for (name, _), a, b in zip(m.named_parameters(), got_g, want_g):
+        assert (a - b).norm() <= 2e-2 * b.norm() + 1e-6, name
+
 @cuda
 def test_bfloat16_training_on_cuda_fits_a_batch():
     model = tiny_model().cuda().train()

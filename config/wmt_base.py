@@ -4,8 +4,8 @@
 # Prepare the data first: python data_prep.py wmt14 --src en --tgt de
 # Batch per GPU, for the paper's ~25000 source + 25000 target tokens per update (section 5.1):
 #   8 GPUs: torchrun --nproc_per_node=8 train.py config/wmt_base.py   (max_tokens=4096 below: 8 x ~3100 real)
-#           eager: at 4096 tokens a step took 26.9 ms eager, 39.1 ms compiled on an H200 (not profiled; before
-#           the graph-break fix 00894bb, so to be measured again: docs/performance.md)
+#           compiled: at 4096 tokens a step took 40.5 ms compiled, 43.8 ms eager on an H100 (after the graph-break
+#           fix 00894bb; the host sets the pace at this size: docs/performance.md)
 #   1 GPU:  python train.py config/wmt_base.py --max_tokens=25000 --compile=True
 #           one 25k-token step took 47.3 ms compiled (20% MFU) on an H200; on an H100 67 ms eager against
 #           8 x 40 ms for the eight 4096-token micro-steps of --update_freq=8 (docs/performance.md)
@@ -27,7 +27,7 @@ warmup = 4000
 beta1, beta2, adam_eps = 0.9, 0.98, 1e-9
 label_smoothing = 0.1
 dtype = 'bfloat16'
-compile = False  # see the batch per GPU above
+compile = True  # see the batch per GPU above
 # Section 6.1: checkpoints every 10 minutes, the last 5 averaged.
 save_interval = 0
 save_minutes = 10.0

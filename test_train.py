@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -489,18 +488,18 @@ def test_batches_are_prefetched_in_order_by_a_background_thread():
     from concurrent.futures import ThreadPoolExecutor
 
     prefetched = load_function('prefetched', ThreadPoolExecutor=ThreadPoolExecutor)
-    made = []
+    made, last = [], threading.Event()
 
     def items():
         for i in range(5):
             made.append((i, threading.current_thread() is threading.main_thread()))
+            if i == 4:
+                last.set()
             yield i
 
     got = prefetched(items())
     assert [next(got) for _ in range(4)] == [0, 1, 2, 3]
-    for _ in range(500):  # the item after the one in hand is made meanwhile, in another thread
-        if len(made) < 5:
-            time.sleep(0.01)
+    assert last.wait(timeout=60)  # the item after the one in hand is made meanwhile, in another thread
     assert made == [(i, False) for i in range(5)]
 
 

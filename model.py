@@ -233,11 +233,11 @@ def loss_chunk(x, weight, target, eps):
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):
-    """Projection and loss by chunks, gradients at once (Liger Kernel; Wijmans et al. 2024)."""
+    """Projection and loss by chunks, in grad mode gradients at once (Liger Kernel; Wijmans et al. 2024)."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, eps, chunk_fn, rows):
-        grad, dev, ctx.x_dtype = ctx.needs_input_grad[0] or ctx.needs_input_grad[1], x.device.type, x.dtype
+    def forward(ctx, x, weight, target, eps, chunk_fn, rows, grad_mode):
+        grad, dev, ctx.x_dtype = grad_mode and any(ctx.needs_input_grad[:2]), x.device.type, x.dtype
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype  # as F.linear's
         grad_x = x.new_empty(x.shape, dtype=torch.float32) if grad else None
         grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if grad else None
@@ -255,14 +255,14 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
         grad_x, grad_w = ctx.saved_tensors
-        return (grad_x * grad_loss).to(ctx.x_dtype), grad_w * grad_loss, None, None, None, None
+        return (grad_x * grad_loss).to(ctx.x_dtype), grad_w * grad_loss, None, None, None, None, None
 
 
 def label_smoothed_loss(x, weight, target, eps=0.1, chunk_fn=loss_chunk, elements=None):
     """Section 5.4 over real target tokens' decoder states x (N, d_model) -> summed smoothed loss, NLL."""
     # A chunk's float32 logits: 64 MB on a CPU (memory), 1 GB on a GPU (each chunk is a pass over grad W)
     rows = max(1, (elements or 2 ** (24 if x.device.type == 'cpu' else 28)) // weight.size(0))
-    return SmoothedCrossEntropy.apply(x, weight, target, eps, chunk_fn, rows)
+    return SmoothedCrossEntropy.apply(x, weight, target, eps, chunk_fn, rows, torch.is_grad_enabled())
 
 
 # ------------------------------------------------------------------------------------------------

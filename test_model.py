@@ -241,6 +241,20 @@ def test_loss_chunks_are_projected_in_the_compute_dtype_without_a_cast_per_chunk
     assert [s[3] for s in seen] == [2 ** 24 // V] * 2 + [1000 - 2 * (2 ** 24 // V)]
 
 
+def test_the_loss_under_no_grad_computes_no_gradients():
+    # train.py validates under no_grad, where the shared embedding still requires grad: the two gradient
+    # matmuls (and a float32 V x d buffer) would be work thrown away.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, target = torch.randn(6, 8), torch.randn(40, 8, requires_grad=True), torch.randint(3, 40, (6,))
+    flops = []
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as counter:
+            M.label_smoothed_loss(x, w, target)
+        flops.append(counter.get_total_flops())
+    assert flops == [2 * 6 * 8 * 40, 3 * 2 * 6 * 8 * 40]  # the logits; with grad, d/dx and d/dW too
+
+
 def test_init_is_xavier_per_matrix_of_the_paper():
     # Q, K and V each Xavier as their own d x d matrix; the FFN and output projections plain Xavier.
     torch.manual_seed(0)

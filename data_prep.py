@@ -457,8 +457,8 @@ def average_checkpoints(paths):
         first = first or ckpt
         if ckpt.get('tokenizer') != first.get('tokenizer'):
             fail(f"{p}: its tokenizer differs from that of {paths[0]}: not checkpoints of one run")
-        cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}
-        diff = sorted(k for k in cfg.keys() | cfg0.keys() if cfg.get(k) != cfg0.get(k) and 'dropout' not in k)
+        cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}  # older ones lack newer fields
+        diff = sorted(k for k in cfg.keys() & cfg0.keys() if cfg[k] != cfg0[k] and 'dropout' not in k)
         if diff or ckpt['model'].keys() != first['model'].keys():  # dropout: a training setting
             fail(f"{p}: its model differs from that of {paths[0]} ({', '.join(diff) or 'parameters'})")
         for k, v in ckpt['model'].items():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 @dataclass
 class Config:
     vocab_size: int = 37000      # joint source+target BPE vocabulary (section 5.1)
+    tokenizer_size: int = 0      # ids with text (0: all); the rest only round vocab_size up, never generated
     n_enc_layers: int = 6        # N in Table 3
     n_dec_layers: int = 6
     d_model: int = 512
@@ -98,9 +99,7 @@ class FeedForward(nn.Module):
 
 def residual(x, sublayer, norm, dropout, pre_norm):
     # Section 5.4: dropout on a sub-layer's output; post-norm (the paper), or pre-norm (needs less warmup).
-    if pre_norm:
-        return x + dropout(sublayer(norm(x)))
-    return norm(x + dropout(sublayer(x)))
+    return x + dropout(sublayer(norm(x))) if pre_norm else norm(x + dropout(sublayer(x)))
 
 
 class EncoderLayer(nn.Module):
@@ -278,9 +277,10 @@ def max_lengths(model, src, max_len_a, max_len_b):  # int(a * |src| + b) as Pyth
 
 
 def next_log_probs(model, tokens, memory, src_mask, cache):
-    logits = model.output(model.decode(tokens, memory, src_mask, cache)[:, -1]).float()
+    cfg, logits = model.cfg, model.output(model.decode(tokens, memory, src_mask, cache)[:, -1]).float()
     logp = torch.log_softmax(logits, dim=-1, out=logits)  # in place: a new (rows x V) one costs page faults
-    logp[:, [model.cfg.pad_id, model.cfg.bos_id]] = -math.inf  # never generated; masked after normalising
+    # Never generated, masked after normalising: PAD, BOS and the ids past the tokenizer's (no text).
+    logp[:, [cfg.pad_id, cfg.bos_id]] = logp[:, cfg.tokenizer_size or cfg.vocab_size:] = -math.inf
     return logp
 
 

@@ -218,11 +218,10 @@ def attention_weights(model, src, tgt_in):
 
 
 def token_labels(enc, tokens):
-    # Byte-level BPE pieces as text, '▁' for a leading space so that word starts show. Ids past the
-    # tokenizer's (a vocabulary padded for speed) have no text, but an untrained model may emit them.
+    # Byte-level BPE pieces as text, '▁' for a leading space so that word starts show.
     names = {enc.encode_single_token(s): s for s in enc.special_tokens_set}
-    return [names.get(t) or (enc.decode_single_token_bytes(t).decode('utf-8', 'replace').replace(' ', '▁')
-                             if t < enc.n_vocab else f'#{t}') for t in tokens]
+    return [names.get(t) or enc.decode_single_token_bytes(t).decode('utf-8', 'replace').replace(' ', '▁')
+            for t in tokens]
 
 
 def heatmap(ax, w, rows, cols, title, colorbar=False):
@@ -260,7 +259,7 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
     if tgt_text is None:  # the model's own translation, token for token as it was decoded
         # translate.py's search: its default stopping rule, the checkpoint's length penalty
         tgt_tok = M.beam_search(model, src, beam=beam, alpha=translate.default_lenpen(saved))[0][0][0]
-        tgt_text = enc.decode([t for t in tgt_tok if t < enc.n_vocab])
+        tgt_text = enc.decode(tgt_tok)
         print(f"plot.py: translation: {tgt_text}")
     else:
         tgt_tok = enc.encode_ordinary(tgt_text.strip())[:cfg.max_len - 1]

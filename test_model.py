@@ -423,6 +423,18 @@ def test_beam_never_keeps_an_eos_candidate_alive():
         assert [4] not in [h for h, _ in hyps]
 
 
+def test_ids_past_the_tokenizers_are_never_generated():
+    # vocab_size rounds the tokenizer's 20 ids up to 24; the 4 added have no text, even where favoured.
+    m, favoured = tiny(), torch.zeros(24)
+    m.cfg.tokenizer_size, favoured[20:] = 20, 100.0
+    m.output = lambda x: F.linear(x, m.embed.weight) + favoured
+    src = pad_batch([[5, 6, 7, EOS], [8, EOS]])
+    logp = M.next_log_probs(m, torch.full((2, 1), BOS), *m.encode(src), m.new_cache())
+    assert (logp[:, 20:] == -math.inf).all() and (logp[:, 3:20] > -math.inf).all()
+    for hyps in (M.greedy_decode(m, src), M.beam_search(m, src, nbest=4)):
+        assert all(t < 20 for h in hyps for toks, _ in h for t in toks)
+
+
 def test_outputs_respect_max_length():
     m = tiny(vocab=12)
     src = pad_batch([[5, 6, 7, EOS], [9, EOS]])

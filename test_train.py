@@ -183,6 +183,7 @@ def test_a_run_logs_progress_and_writes_snapshots_a_state_and_their_average(run)
     assert_same_params(avg, params(out, 'ckpt.pt'))
     model, enc, ckpt = translate.load_checkpoint(str(out / 'ckpt.pt'), 'cpu')
     assert ckpt['step'] == 6 and ckpt['config']['max_steps'] == 6
+    assert ckpt['model_cfg']['tokenizer_size'] == enc.n_vocab  # the ids past it are never decoded
     assert len(list(translate.translate_lines(model, enc, ['w1 w2 w3'], beam=2))) == 1
     best = torch.load(out / 'ckpt_best.pt', weights_only=True)  # the final evaluation's BLEU, which it holds
     assert best['valid_bleu'] == records(out, 'valid_bleu')[-1]['valid_bleu']

@@ -43,9 +43,9 @@ def train_reversal(steps=250, **overrides):
     rng = random.Random(0)
     d = data_prep.train_tokenizer(iter([sentence(rng) for _ in range(3000)]), 400, 'toy')
     enc, sp = data_prep.load_tokenizer(d), d['special_tokens']
-    cfg = M.Config(**{**dict(vocab_size=enc.n_vocab, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128,
-                             n_heads=4, dropout=0.0, max_len=80, pad_id=sp['<pad>'], bos_id=sp['<s>'],
-                             eos_id=sp['</s>']), **overrides})
+    cfg = M.Config(**{**dict(vocab_size=enc.n_vocab, tokenizer_size=enc.n_vocab, n_enc_layers=2,
+                             n_dec_layers=2, d_model=64, d_ff=128, n_heads=4, dropout=0.0, max_len=80,
+                             pad_id=sp['<pad>'], bos_id=sp['<s>'], eos_id=sp['</s>']), **overrides})
     torch.manual_seed(0)
     model = M.Transformer(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -281,6 +281,17 @@ def test_an_output_that_is_an_input_or_a_folder_is_refused(toy, tmp_path, capsys
         assert e.value.code == 2 and f'{flags[-2]} {flags[-1]}' in capsys.readouterr().err, flags
     assert open(src).read() == 'alpha beta\n' and data_prep.read_checkpoint(str(ckpt))
     assert not os.listdir(folder)
+
+
+def test_a_checkpoint_older_than_tokenizer_size_takes_it_from_its_tokenizer(toy, tmp_path):
+    # Its model_cfg lacks the field: loading sets it from the embedded tokenizer, and it averages with the
+    # newer snapshots of its run (one resumed across versions).
+    base = torch.load(toy['ckpt'], weights_only=True)
+    old = {**base, 'model_cfg': {k: v for k, v in base['model_cfg'].items() if k != 'tokenizer_size'}}
+    torch.save(old, tmp_path / 'old.pt')
+    assert T.load_checkpoint(str(tmp_path / 'old.pt'))[0].cfg.tokenizer_size == toy['enc'].n_vocab
+    averaged = data_prep.average_checkpoints([toy['ckpt'], str(tmp_path / 'old.pt')])
+    assert averaged.keys() == base['model'].keys()
 
 
 def test_averaging_is_the_mean_of_the_newest_by_step_of_one_run_saved_loadable_anywhere(toy, tmp_path):

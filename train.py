@@ -176,8 +176,8 @@ if init_from == 'resume':  # the run goes on as it began: architecture, optimize
     if changed:
         sys.exit(f"init_from='resume' continues {out_dir} as it began, but these settings differ: "
                  f"{', '.join(changed)}; drop them, or start anew with --init_from={out_dir}/ckpt.pt")
-elif state is not None:  # fine-tuning: dropout is a training setting, the rest is the checkpoint's
-    model_cfg.dropout, model_cfg.attn_dropout = dropout, attn_dropout
+# Dropout is a training setting (a resume keeps the run's); ids past the tokenizer's are never generated.
+model_cfg.dropout, model_cfg.attn_dropout, model_cfg.tokenizer_size = dropout, attn_dropout, enc.n_vocab
 arch = {k: v for k, v in asdict(model_cfg).items() if fine_tuned_from and k in config and config[k] != v}
 if arch:  # said, and the settings made to agree, so the config saved with each checkpoint is the model's
     log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
@@ -296,7 +296,7 @@ def validation_bleu():
         ids = [mine[j] for j in batch]
         with autocast:
             out = M.beam_search(raw_model, get_batch(valid_data, ids)[0], bleu_beam, bleu_lenpen)
-        hyps.update((i, enc.decode([t for t in h[0][0] if t < enc.n_vocab])) for i, h in zip(ids, out))
+        hyps.update((i, enc.decode(h[0][0])) for i, h in zip(ids, out))
     hyps = {i: h for share in gather(hyps) for i, h in share.items()}
     return BLEU().corpus_score([hyps.get(i, '') for i in range(len(valid_ref))], [valid_ref]).score
 

@@ -400,6 +400,14 @@ def test_resume_counts_the_training_time_already_spent(run, data_dir, tmp_path):
     assert data_prep.checkpoints(str(out))[-1].endswith('6.pt') and 'step 7 ' not in res.stdout
 
 
+def test_resume_with_another_number_of_processes_says_dropout_is_reseeded(run, data_dir, tmp_path):
+    out = copy_run(run, tmp_path)
+    state = torch.load(out / 'state_0000006.pt', weights_only=False)
+    torch.save({**state, 'rng': state['rng'] * 2}, out / 'state_0000006.pt')  # as if 2 processes saved it
+    res = train(['--max_steps=6', '--init_from=resume', '--dropout=0.1'], out, data_dir)
+    assert 'resumed by 1 process(es), saved by 2: dropout is reseeded' in res.stdout
+
+
 def test_resume_keeps_the_best_checkpoint_unless_a_better_one_comes(run, data_dir, tmp_path):
     out = copy_run(run, tmp_path)
     best = torch.load(out / 'ckpt_best.pt', weights_only=False)

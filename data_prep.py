@@ -161,13 +161,13 @@ def read_lines(path, member=None, errors='strict'):
                 f = tar.extractfile(found)
             for i, raw in enumerate(gzip.GzipFile(fileobj=f) if name.endswith('.gz') else f, 1):
                 try:
-                    text = raw.decode('utf-8')
+                    text = raw.decode('utf-8-sig')  # a byte-order mark (Windows editors write one) is no text
                 except UnicodeDecodeError as e:
                     if errors != 'replace':
                         sys.exit(f'error: {where} line {i}: invalid UTF-8 ({e.reason} at byte {e.start})')
                     print(f'warning: {where}: line {i}: invalid UTF-8 at byte {e.start}, replaced by U+FFFD',
                           file=sys.stderr)
-                    text = raw.decode('utf-8', errors='replace')
+                    text = raw.decode('utf-8-sig', errors='replace')
                 # Split on '\n' only, so that a line is one for every later reader (str.splitlines() too).
                 line = LINE_BREAKS.sub(' ', text.rstrip('\n').rstrip('\r'))
                 seg = sgm and re.match(r'\s*<seg[^>]*>(.*)</seg>', line)

@@ -380,6 +380,12 @@ def test_reads_plain_gz_tar_members_and_sgm_without_shifting_lines(tmp_path):
         list(data_prep.read_lines(str(tmp_path / 'a.tgz'), 'x/missing'))
 
 
+def test_a_byte_order_mark_is_not_read_as_text(tmp_path):
+    # Common Windows editors start a UTF-8 file with one; `cat` of two such files puts one on a later line.
+    (tmp_path / 'f.txt').write_bytes('\ufeffa man\nb\n\ufeffc\n'.encode())
+    assert list(data_prep.read_lines(str(tmp_path / 'f.txt'))) == ['a man', 'b', 'c']
+
+
 def test_invalid_utf8_is_an_error_naming_file_and_line_or_replaced_with_a_warning(tmp_path, capsys):
     (tmp_path / 'a.tgz').write_bytes(tgz({'dir/f.de': b'ok\n\xc3(\n'}))
     with pytest.raises(SystemExit) as e:

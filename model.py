@@ -37,10 +37,13 @@ def sinusoidal_positions(max_len, d_model):
     # Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(same angle).
     pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
     inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
-    pe = torch.zeros(max_len, d_model, dtype=torch.float64)
-    pe[:, 0::2] = torch.sin(pos * inv_freq)
-    pe[:, 1::2] = torch.cos(pos * inv_freq[:d_model // 2])  # an odd d_model ends on a sine
-    return pe.float()
+    pe = torch.stack([torch.sin(pos * inv_freq), torch.cos(pos * inv_freq)], dim=-1).flatten(1)  # interleaved
+    return pe[:, :d_model].float()  # an odd d_model ends on a sine
+
+
+def attention_weights(q, k, mask=None):  # equation (1) written out: SDPA(Q, K, V) = these weights times V
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # Q K^T / sqrt(d_k); mask: True = attend, as SDPA's
+    return (s if mask is None else s.masked_fill(~mask, -math.inf)).softmax(-1).nan_to_num(0.0)  # none: 0s
 
 
 class MultiHeadAttention(nn.Module):
@@ -152,8 +155,7 @@ class Transformer(nn.Module):
         d = self.cfg.d_model
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                fused = name.endswith(('qkv_proj', 'kv_proj'))
-                for w in m.weight.split(d, dim=0) if fused else [m.weight]:
+                for w in m.weight.split(d, dim=0) if name.endswith(('qkv_proj', 'kv_proj')) else [m.weight]:
                     nn.init.xavier_uniform_(w)
                 nn.init.zeros_(m.bias)
         nn.init.normal_(self.embed.weight, mean=0.0, std=d ** -0.5)
@@ -287,9 +289,8 @@ def next_log_probs(model, tokens, memory, src_mask, cache):
 @torch.no_grad()
 def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
     """-> for each sentence [(tokens without BOS/EOS, summed log-probability)]; ended sentences leave."""
-    cfg, B = model.cfg, src.size(0)
+    cfg, B, limit = model.cfg, src.size(0), max_lengths(model, src, max_len_a, max_len_b)
     memory, src_mask = model.encode(src)
-    limit = max_lengths(model, src, max_len_a, max_len_b)
     cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
     score, active, out = torch.zeros(B, device=src.device), torch.arange(B, device=src.device), [None] * B
     for t in range(int(limit.max())):
@@ -369,9 +370,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
     L = int(limit.max())
     cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
-    alive = torch.full((B, k), -math.inf, device=dev)
+    alive, fin_scores = (torch.full((B, k), -math.inf, device=dev) for _ in range(2))
     alive[:, 0] = 0.0  # all beams start identical: expand only one
-    fin_scores = torch.full((B, k), -math.inf, device=dev)
     fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
     # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
     active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()

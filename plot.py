@@ -12,7 +12,6 @@ A figure goes to the -o file; on a machine with a display it is also shown on sc
 """
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -181,19 +180,15 @@ KINDS = ('encoder', 'decoder', 'cross')  # encoder and decoder self-attention, e
 
 
 def weights_of(attn, x, memory=None, mask=None, causal=False, **_):
-    """softmax(Q K^T / sqrt(d_k)) of one model.MultiHeadAttention call without a cache, masked as SDPA masks
-    it: (B, h, queries, keys)."""
+    """model.attention_weights of one model.MultiHeadAttention call without a cache: (B, h, queries, keys)."""
     if attn.cross:
         q, k = attn.heads(attn.q_proj(x)), attn.heads(attn.kv_proj(memory).chunk(2, dim=-1)[0])
     else:
         q, k = map(attn.heads, attn.qkv_proj(x).chunk(3, dim=-1)[:2])
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
     if causal:  # top-left aligned, as SDPA's is_causal
-        tril = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        tril = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
         mask = tril if mask is None else mask & tril
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
-    return s.softmax(-1).nan_to_num(0.0)  # a query whose keys are all masked gets SDPA's zeros, not 0/0
+    return M.attention_weights(q, k, mask)
 
 
 def attention_weights(model, src, tgt_in):

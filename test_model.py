@@ -62,6 +62,20 @@ def test_padding_never_changes_real_positions(pre_norm):
     torch.testing.assert_close(mem_batch, mem_alone, atol=1e-5, rtol=0)
 
 
+def test_attention_weights_times_v_are_sdpa_output():
+    # Equation (1) written out (plot.py's pictures) against the SDPA call of training and decoding, masked by
+    # key padding, causally (is_causal aligns top-left, here 3 queries over 5 keys) and with no key left.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    padding = torch.tensor([[True] * 5, [True, True, False, False, False]])[:, None, None, :]
+    causal, none = torch.ones(3, 5, dtype=torch.bool).tril(), torch.zeros(3, 5, dtype=torch.bool)
+    for mask, sdpa in ((None, {}), (padding, dict(attn_mask=padding)), (causal, dict(is_causal=True)),
+                       (none, dict(attn_mask=none))):
+        w = M.attention_weights(q, k, mask)
+        torch.testing.assert_close(w @ v, F.scaled_dot_product_attention(q, k, v, **sdpa), atol=1e-6, rtol=0)
+    assert (w == 0).all()  # no key left: SDPA's zeros, not 0/0
+
+
 def test_decoder_is_causal():
     m = tiny()
     src = torch.randint(3, 24, (2, 6))

@@ -34,7 +34,7 @@ import urllib3
 
 # Per split, (URL, member of the archive or None); {lang}: the side's language, {role}: src or ref.
 MULTI30K = 'https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/'
-STATMT = 'http://statmt.org/'  # the URLs of fairseq's prepare-wmt14en2{de,fr}.sh
+STATMT = 'http://statmt.org/'  # WMT14's own, as tensor2tensor's (fairseq's en-de: nc v12 unless --icml17)
 CORPORA = {
     'multi30k': {split: [(MULTI30K + name + '.{lang}.gz', None)]
                  for split, name in (('train', 'train'), ('valid', 'val'), ('test', 'test_2016_flickr'))},
@@ -51,10 +51,9 @@ CORPORA = {
                   (STATMT + 'wmt14/training-parallel-nc-v9.tgz', 'training/news-commentary-v9.fr-en.{lang}'),
                   (STATMT + 'wmt10/training-giga-fren.tar', 'giga-fren.release2.fixed.{lang}.gz')],
         'valid': [(STATMT + 'wmt14/dev.tgz', 'dev/newstest2013.{lang}')],
-        'test': [(STATMT + 'wmt14/test-full.tgz', 'test-full/newstest2014-fren-{role}.{lang}.sgm')]},
-}
+        'test': [(STATMT + 'wmt14/test-full.tgz', 'test-full/newstest2014-fren-{role}.{lang}.sgm')]}}
 DEFAULT_VOCAB = {'multi30k': 8000, 'wmt14 de-en': 37000, 'wmt14 en-fr': 32000, 'custom': 8000}  # with bytes
-# name -> (bytes, sha256) of downloads and mirror files; Multi30k's: ../shared/data/multi30k (as upstream)
+# name -> (bytes or None, sha256 or md5) of downloads and mirror files; Multi30k's: ../shared/data/multi30k
 CHECKSUMS = {
     'train.en.gz': (568929, 'd79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f'),
     'train.de.gz': (637044, '726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6'),
@@ -65,7 +64,10 @@ CHECKSUMS = {
     'test_2016_flickr.en.gz': (21077, '611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9'),
     'test_2016_flickr.de.gz': (22890, '9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8'),
     'test_2016_flickr.fr.gz': (22310, '6d326e188d259fb1d04ac19eae3af956559b3a0b93d7635e56c90987c40c8b90'),
+    'test-full.tgz': (None, 'a8cd784e006feb32ac6f3d9ec7eb389a'),  # sacrebleu's md5 (newstest2014, in full)
 }
+LINES = {'training/europarl-v7.de-en': 1920209, 'commoncrawl.de-en': 2399123, 'dev/newstest2013': 3000,
+         'training/news-commentary-v9.de-en': 201288}  # WMT14 en-de's as published; others: a warning
 LOCAL_MULTI30K = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'shared', 'data', 'multi30k')
 # GPT-4's pre-tokenisation (also rustbpe's default), written out so the tokenizer is fully described here.
 PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
@@ -78,13 +80,13 @@ def file_problem(path, name):
     """What differs between a file and its CHECKSUMS entry: None where nothing does, or it has none."""
     if name not in CHECKSUMS:
         return None
-    (size, sha), h = CHECKSUMS[name], hashlib.sha256()
-    if os.path.getsize(path) != size:
+    (size, digest), h = CHECKSUMS[name], hashlib.new('md5' if len(CHECKSUMS[name][1]) == 32 else 'sha256')
+    if size is not None and os.path.getsize(path) != size:
         return f'size {os.path.getsize(path)} bytes, expected {size}'
     with open(path, 'rb') as f:
         for block in iter(lambda: f.read(1 << 20), b''):
             h.update(block)
-    return None if h.hexdigest() == sha else f'sha256 {h.hexdigest()}, expected {sha}'
+    return None if h.hexdigest() == digest else f'{h.name} {h.hexdigest()}, expected {digest}'
 
 def download(url, path, retries=5):
     """Stream url into path + '.part', resumed (HTTP Range) after failures; renamed to path when checked."""
@@ -120,8 +122,7 @@ def download(url, path, retries=5):
     else:
         sys.exit(f'error: downloading {url} failed after {retries + 1} attempts ({error}): {have} of '
                  f'{total or "?"} bytes in {part} (run again to resume)')
-    problem = file_problem(part, name)
-    if problem:
+    if problem := file_problem(part, name):
         os.remove(part)
         sys.exit(f'error: {url}: {problem}; removed the download, run again to fetch it anew')
     os.replace(part, path)
@@ -132,8 +133,7 @@ def fetch(url, mirror, download_dir):
     name, local = url.rsplit('/', 1)[1], mirror and not re.match(r'https?://', mirror)
     path = os.path.join(mirror if local else download_dir, name)
     if os.path.exists(path):  # a download was checked when it came; a file put there by hand was not
-        problem = file_problem(path, name)
-        if problem:
+        if problem := file_problem(path, name):
             sys.exit(f'error: {path}: {problem}' + ('' if local else '; remove it to download it anew'))
         return path
     if local:
@@ -161,13 +161,13 @@ def read_lines(path, member=None, errors='strict'):
                 f = tar.extractfile(found)
             for i, raw in enumerate(gzip.GzipFile(fileobj=f) if name.endswith('.gz') else f, 1):
                 try:
-                    text = raw.decode('utf-8')
+                    text = raw.decode('utf-8-sig')  # a byte-order mark (Windows editors write one) is no text
                 except UnicodeDecodeError as e:
                     if errors != 'replace':
                         sys.exit(f'error: {where} line {i}: invalid UTF-8 ({e.reason} at byte {e.start})')
                     print(f'warning: {where}: line {i}: invalid UTF-8 at byte {e.start}, replaced by U+FFFD',
                           file=sys.stderr)
-                    text = raw.decode('utf-8', errors='replace')
+                    text = raw.decode('utf-8-sig', errors='replace')
                 # Split on '\n' only, so that a line is one for every later reader (str.splitlines() too).
                 line = LINE_BREAKS.sub(' ', text.rstrip('\n').rstrip('\r'))
                 seg = sgm and re.match(r'\s*<seg[^>]*>(.*)</seg>', line)
@@ -176,15 +176,17 @@ def read_lines(path, member=None, errors='strict'):
     except (OSError, EOFError, tarfile.TarError, zlib.error) as e:
         sys.exit(f'error: cannot read {where}: {e}')
 
-def read_pairs(files):
+def read_pairs(files, expect=None):
     """Yield (src, tgt) lines from a list of (src file, tgt file); files of different lengths are an error."""
     for s_file, t_file in files:
-        s_it, t_it = read_lines(*s_file), read_lines(*t_file)
-        for n, (s, t) in enumerate(itertools.zip_longest(s_it, t_it)):
+        s_it, t_it, n = read_lines(*s_file), read_lines(*t_file), 0
+        for n, (s, t) in enumerate(itertools.zip_longest(s_it, t_it), 1):
             if s is None or t is None:
-                ns, nt = (n + (x is not None) + sum(1 for _ in it) for x, it in ((s, s_it), (t, t_it)))
+                ns, nt = (n - 1 + (x is not None) + sum(1 for _ in it) for x, it in ((s, s_it), (t, t_it)))
                 sys.exit(f'error: line counts differ: {label(s_file)} has {ns}, {label(t_file)} has {nt}')
             yield s, t
+        if (want := (expect or {}).pop((s_file[1] or '').rsplit('.', 1)[0], n)) != n:  # popped: said once
+            print(f'warning: {label(s_file)} has {n:,} lines, not the {want:,} published', file=sys.stderr)
 
 def train_tokenizer(texts, vocab_size, name):
     """Byte-level BPE of vocab_size tokens (the 256 bytes included) on strings -> tokenizer.json's dict."""
@@ -325,12 +327,12 @@ def encode_lines(enc, lines, workers):
         return np.fromiter(itertools.chain(*per_line), np.uint32), np.array([len(x) for x in per_line])
     return ids[ids != eos], np.diff(ends, prepend=-1) - 1
 
-def write_split(out, split, files, enc, langs, workers, max_len=0, max_ratio=0, chunk=50_000):
+def write_split(out, split, files, enc, langs, workers, max_len=0, max_ratio=0, expect=None, chunk=50_000):
     """Encode a split's (src, tgt) files into {split}.{lang}.bin, .idx (and .txt, the text as read, but for
     train), renamed into place when complete; only the training pairs are cleaned. -> counts."""
     train, dtype = split == 'train', np.uint16 if enc.n_vocab <= 2 ** 16 else np.uint32
     raw, dropped = 0, dict.fromkeys(('empty', 'too_long', 'ratio'), 0)
-    lengths, t0, pairs = [[np.zeros(0, np.int32)] for _ in langs], time.time(), read_pairs(files)
+    lengths, t0, pairs = [[np.zeros(0, np.int32)] for _ in langs], time.time(), read_pairs(files, expect)
     with contextlib.ExitStack() as stack:
         out_files = {f'{lang}.{ext}': stack.enter_context(atomic(os.path.join(out, f'{split}.{lang}.{ext}')))
                      for lang in langs for ext in ('bin', 'idx', 'txt')[:3 - train]}
@@ -428,8 +430,7 @@ def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
         fail(f"cannot read checkpoint {path}: not a checkpoint, or a damaged one ({type(e).__name__})")
-    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
+    if missing := [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]:
         fail(f"{path} is not a model checkpoint: missing {', '.join(missing)}")
     return ckpt
 
@@ -457,8 +458,8 @@ def average_checkpoints(paths):
         first = first or ckpt
         if ckpt.get('tokenizer') != first.get('tokenizer'):
             fail(f"{p}: its tokenizer differs from that of {paths[0]}: not checkpoints of one run")
-        cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}
-        diff = sorted(k for k in cfg.keys() | cfg0.keys() if cfg.get(k) != cfg0.get(k) and 'dropout' not in k)
+        cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}  # older ones lack newer fields
+        diff = sorted(k for k in cfg.keys() & cfg0.keys() if cfg[k] != cfg0[k] and 'dropout' not in k)
         if diff or ckpt['model'].keys() != first['model'].keys():  # dropout: a training setting
             fail(f"{p}: its model differs from that of {paths[0]} ({', '.join(diff) or 'parameters'})")
         for k, v in ckpt['model'].items():
@@ -525,24 +526,23 @@ def prepare(args, key):
             if re.fullmatch(r'meta\.json|((train|valid|test)\.[^.]+\.(bin|idx|txt)|\w+\.json)\.\w+\.tmp', f):
                 os.remove(os.path.join(out, f))
         os.environ.setdefault('RAYON_NUM_THREADS', str(args.workers))  # rustbpe's thread pool
-        for source in itertools.chain(*files['valid'], *files['test']):  # one missing is found before the BPE
-            next(read_lines(*source), None)
+        expect = dict(LINES)  # WMT14's published counts: a member of another is named before the BPE
+        list(read_pairs(files['valid'] + files['test'], expect))  # so is a missing or short one
         t0 = time.time()
 
         def texts():  # what BPE learns from; rustbpe itself says nothing while it reads and merges
-            for i, pair in enumerate(read_pairs(files['train']), 1):
+            for i, pair in enumerate(read_pairs(files['train'], expect), 1):
                 if i % 1_000_000 == 0:
                     print(f'BPE: {i:,} training pairs read, {time.time() - t0:.0f}s', flush=True)
                 yield from (text for text in map(str.strip, pair) if text)
             print(f'BPE: read in {time.time() - t0:.0f}s; learning {vocab_size - 256} merges', flush=True)
         tok = given or train_tokenizer(texts(), vocab_size, f'{args.corpus}_{args.src}_{args.tgt}')
         write_json(os.path.join(out, 'tokenizer.json'), tok)
-        enc, bpe_seconds = load_tokenizer(tok), time.time() - t0
+        enc, bpe_seconds, specials = load_tokenizer(tok), time.time() - t0, tok['special_tokens']
         print(f'BPE: {len(tok["ranks"])} tokens of {vocab_size} asked (+ {len(SPECIALS)} specials), '
               + (f'of --tokenizer {args.tokenizer}' if given else f'learned in {bpe_seconds:.1f}s'))
         st = {split: write_split(out, split, files[split], enc, (args.src, args.tgt), args.workers,
-                                 args.max_len, args.max_ratio) for split in ('train', 'valid', 'test')}
-        specials = tok['special_tokens']
+                                 args.max_len, args.max_ratio, expect) for split in files}
         meta = {'name': os.path.basename(os.path.normpath(out)), 'src': args.src, 'tgt': args.tgt,
                 'vocab_size': enc.n_vocab, 'pad_id': specials['<pad>'], 'bos_id': specials['<s>'],
                 'eos_id': specials['</s>'], 'dtype': 'uint16' if enc.n_vocab <= 2 ** 16 else 'uint32',

@@ -11,7 +11,8 @@ and besides them tokenizer.json (data_prep's format) and export_ct2.json (our Co
 checkpoints, the quantization), so that translate.py applies the same rules as with the checkpoint.
 
 Vocabulary: a token's string is its id in decimal ("0", "1", ...), except the specials, which keep their
-names ("<pad>", "<s>", "</s>"); ids past the tokenizer's (vocab_size padded for speed) are numbered too.
+names ("<pad>", "<s>", "</s>"); ids past the tokenizer's (vocab_size padded for speed) are numbered too, and
+translate.py suppresses them with "<pad>" and "<s>", as model.py never generates them.
 To call CTranslate2 directly: tokens = [str(i) for i in enc.encode_ordinary(text)]; the export appends
 "</s>" to the source itself (add_source_eos, as the fairseq converter sets) and starts the decoder with
 "<s>". The byte-level BPE has no unknown token, so "<pad>" stands in as unk_token (else CTranslate2 would

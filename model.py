@@ -15,6 +15,7 @@ import torch.nn.functional as F
 @dataclass
 class Config:
     vocab_size: int = 37000      # joint source+target BPE vocabulary (section 5.1)
+    tokenizer_size: int = 0      # ids with text (0: all); the rest only round vocab_size up, never generated
     n_enc_layers: int = 6        # N in Table 3
     n_dec_layers: int = 6
     d_model: int = 512
@@ -37,10 +38,13 @@ def sinusoidal_positions(max_len, d_model):
     # Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(same angle).
     pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
     inv_freq = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
-    pe = torch.zeros(max_len, d_model, dtype=torch.float64)
-    pe[:, 0::2] = torch.sin(pos * inv_freq)
-    pe[:, 1::2] = torch.cos(pos * inv_freq[:d_model // 2])  # an odd d_model ends on a sine
-    return pe.float()
+    pe = torch.stack([torch.sin(pos * inv_freq), torch.cos(pos * inv_freq)], dim=-1).flatten(1)  # interleaved
+    return pe[:, :d_model].float()  # an odd d_model ends on a sine
+
+
+def attention_weights(q, k, mask=None):  # equation (1) written out: SDPA(Q, K, V) = these weights times V
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # Q K^T / sqrt(d_k); mask: True = attend, as SDPA's
+    return (s if mask is None else s.masked_fill(~mask, -math.inf)).softmax(-1).nan_to_num(0.0)  # none: 0s
 
 
 class MultiHeadAttention(nn.Module):
@@ -125,9 +129,7 @@ class FeedForward(nn.Module):
 
 def residual(x, sublayer, norm, dropout, pre_norm):
     # Section 5.4: dropout on a sub-layer's output; post-norm (the paper), or pre-norm (needs less warmup).
-    if pre_norm:
-        return x + dropout(sublayer(norm(x)))
-    return norm(x + dropout(sublayer(x)))
+    return x + dropout(sublayer(norm(x))) if pre_norm else norm(x + dropout(sublayer(x)))
 
 
 class EncoderLayer(nn.Module):
@@ -180,8 +182,7 @@ class Transformer(nn.Module):
         d = self.cfg.d_model
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                fused = name.endswith(('qkv_proj', 'kv_proj'))
-                for w in m.weight.split(d, dim=0) if fused else [m.weight]:
+                for w in m.weight.split(d, dim=0) if name.endswith(('qkv_proj', 'kv_proj')) else [m.weight]:
                     nn.init.xavier_uniform_(w)
                 nn.init.zeros_(m.bias)
         nn.init.normal_(self.embed.weight, mean=0.0, std=d ** -0.5)
@@ -288,11 +289,11 @@ def loss_chunk(x, weight, target, eps):
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):
-    """Projection and loss by chunks, gradients at once (Liger Kernel; Wijmans et al. 2024)."""
+    """Projection and loss by chunks, in grad mode gradients at once (Liger Kernel; Wijmans et al. 2024)."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, eps, chunk_fn, rows):
-        grad, dev, ctx.x_dtype = ctx.needs_input_grad[0] or ctx.needs_input_grad[1], x.device.type, x.dtype
+    def forward(ctx, x, weight, target, eps, chunk_fn, rows, grad_mode):
+        grad, dev, ctx.x_dtype = grad_mode and any(ctx.needs_input_grad[:2]), x.device.type, x.dtype
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype  # as F.linear's
         grad_x = x.new_empty(x.shape, dtype=torch.float32) if grad else None
         grad_w = weight.new_zeros(weight.shape, dtype=torch.float32) if grad else None
@@ -310,14 +311,14 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
         grad_x, grad_w = ctx.saved_tensors
-        return (grad_x * grad_loss).to(ctx.x_dtype), grad_w * grad_loss, None, None, None, None
+        return (grad_x * grad_loss).to(ctx.x_dtype), grad_w * grad_loss, None, None, None, None, None
 
 
 def label_smoothed_loss(x, weight, target, eps=0.1, chunk_fn=loss_chunk, elements=None):
     """Section 5.4 over real target tokens' decoder states x (N, d_model) -> summed smoothed loss, NLL."""
     # A chunk's float32 logits: 64 MB on a CPU (memory), 1 GB on a GPU (each chunk is a pass over grad W)
     rows = max(1, (elements or 2 ** (24 if x.device.type == 'cpu' else 28)) // weight.size(0))
-    return SmoothedCrossEntropy.apply(x, weight, target, eps, chunk_fn, rows)
+    return SmoothedCrossEntropy.apply(x, weight, target, eps, chunk_fn, rows, torch.is_grad_enabled())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,18 +334,18 @@ def max_lengths(model, src, max_len_a, max_len_b):  # int(a * |src| + b) as Pyth
 
 
 def next_log_probs(model, tokens, memory, src_mask, cache):
-    logits = model.output(model.decode(tokens, memory, src_mask, cache)[:, -1]).float()
+    cfg, logits = model.cfg, model.output(model.decode(tokens, memory, src_mask, cache)[:, -1]).float()
     logp = torch.log_softmax(logits, dim=-1, out=logits)  # in place: a new (rows x V) one costs page faults
-    logp[:, [model.cfg.pad_id, model.cfg.bos_id]] = -math.inf  # never generated; masked after normalising
+    # Never generated, masked after normalising: PAD, BOS and the ids past the tokenizer's (no text).
+    logp[:, [cfg.pad_id, cfg.bos_id]] = logp[:, cfg.tokenizer_size or cfg.vocab_size:] = -math.inf
     return logp
 
 
 @torch.no_grad()
 def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
     """-> for each sentence [(tokens without BOS/EOS, summed log-probability)]; ended sentences leave."""
-    cfg, B = model.cfg, src.size(0)
+    cfg, B, limit = model.cfg, src.size(0), max_lengths(model, src, max_len_a, max_len_b)
     memory, src_mask = model.encode(src)
-    limit = max_lengths(model, src, max_len_a, max_len_b)
     cache, tokens = model.new_cache(), src.new_full((B, 1), cfg.bos_id)
     score, active, out = torch.zeros(B, device=src.device), torch.arange(B, device=src.device), [None] * B
     for t in range(int(limit.max())):
@@ -424,9 +425,8 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
     L = int(limit.max())
     cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
-    alive = torch.full((B, k), -math.inf, device=dev)
+    alive, fin_scores = (torch.full((B, k), -math.inf, device=dev) for _ in range(2))
     alive[:, 0] = 0.0  # all beams start identical: expand only one
-    fin_scores = torch.full((B, k), -math.inf, device=dev)
     fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
     # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
     active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()

@@ -12,7 +12,6 @@ A figure goes to the -o file; on a machine with a display it is also shown on sc
 """
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -181,19 +180,15 @@ KINDS = ('encoder', 'decoder', 'cross')  # encoder and decoder self-attention, e
 
 
 def weights_of(attn, x, memory=None, mask=None, causal=False, **_):
-    """softmax(Q K^T / sqrt(d_k)) of one model.MultiHeadAttention call without a cache, masked as SDPA masks
-    it: (B, h, queries, keys)."""
+    """model.attention_weights of one model.MultiHeadAttention call without a cache: (B, h, queries, keys)."""
     if attn.cross:
         q, k = attn.heads(attn.q_proj(x)), attn.heads(attn.kv_proj(memory).chunk(2, dim=-1)[0])
     else:
         q, k = map(attn.heads, attn.qkv_proj(x).chunk(3, dim=-1)[:2])
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
     if causal:  # top-left aligned, as SDPA's is_causal
-        tril = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        tril = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
         mask = tril if mask is None else mask & tril
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
-    return s.softmax(-1).nan_to_num(0.0)  # a query whose keys are all masked gets SDPA's zeros, not 0/0
+    return M.attention_weights(q, k, mask)
 
 
 def attention_weights(model, src, tgt_in):
@@ -218,11 +213,10 @@ def attention_weights(model, src, tgt_in):
 
 
 def token_labels(enc, tokens):
-    # Byte-level BPE pieces as text, '▁' for a leading space so that word starts show. Ids past the
-    # tokenizer's (a vocabulary padded for speed) have no text, but an untrained model may emit them.
+    # Byte-level BPE pieces as text, '▁' for a leading space so that word starts show.
     names = {enc.encode_single_token(s): s for s in enc.special_tokens_set}
-    return [names.get(t) or (enc.decode_single_token_bytes(t).decode('utf-8', 'replace').replace(' ', '▁')
-                             if t < enc.n_vocab else f'#{t}') for t in tokens]
+    return [names.get(t) or enc.decode_single_token_bytes(t).decode('utf-8', 'replace').replace(' ', '▁')
+            for t in tokens]
 
 
 def heatmap(ax, w, rows, cols, title, colorbar=False):
@@ -260,7 +254,7 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
     if tgt_text is None:  # the model's own translation, token for token as it was decoded
         # translate.py's search: its default stopping rule, the checkpoint's length penalty
         tgt_tok = M.beam_search(model, src, beam=beam, alpha=translate.default_lenpen(saved))[0][0][0]
-        tgt_text = enc.decode([t for t in tgt_tok if t < enc.n_vocab])
+        tgt_text = enc.decode(tgt_tok)
         print(f"plot.py: translation: {tgt_text}")
     else:
         tgt_tok = enc.encode_ordinary(tgt_text.strip())[:cfg.max_len - 1]

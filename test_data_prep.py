@@ -2,6 +2,7 @@
     python -m pytest -q test_data_prep.py"""
 import errno
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -128,6 +129,17 @@ def wmt14_de_en_archives():
                               for role in ('src', 'ref') for i, lang in enumerate(('en', 'de'))}),
     }
     return files, sum(train, []), valid, test
+
+
+TOY_LINES = {'training/europarl-v7.de-en': 60, 'commoncrawl.de-en': 50, 'dev/newstest2013': 30,
+             'training/news-commentary-v9.de-en': 40}  # those of wmt14_de_en_archives()
+
+
+def as_published(monkeypatch, files, lines=TOY_LINES):
+    """The toy archives taken for the real ones: test-full.tgz's md5 and the en-de members' line counts."""
+    md5 = hashlib.md5(files['test-full.tgz']).hexdigest()
+    monkeypatch.setitem(data_prep.CHECKSUMS, 'test-full.tgz', (None, md5))
+    monkeypatch.setattr(data_prep, 'LINES', lines)
 
 
 def write_custom(root, splits, src='xx', tgt='yy'):
@@ -264,8 +276,9 @@ def test_a_download_dir_that_is_a_file_is_an_error_before_any_request(server, tm
 # end to end
 
 
-def test_wmt14_layout_end_to_end_through_a_mirror_url(server, tmp_path):
+def test_wmt14_layout_end_to_end_through_a_mirror_url(server, tmp_path, monkeypatch, capsys):
     files, train, valid, test = wmt14_de_en_archives()
+    as_published(monkeypatch, files)
     server.files.update({'mirror/' + name: data for name, data in files.items()})
     out = tmp_path / 'wmt'
     meta = data_prep.main(['wmt14', '--src', 'en', '--tgt', 'de', '--mirror', server.url + 'mirror/',
@@ -282,11 +295,45 @@ def test_wmt14_layout_end_to_end_through_a_mirror_url(server, tmp_path):
             assert read_split(out, split, lang) == [p[i] for p in pairs]
     assert meta['vocab_size'] == enc.n_vocab and meta['dtype'] == 'uint16'
     assert (meta['pad_id'], meta['bos_id'], meta['eos_id']) == tuple(enc.n_vocab - 3 + i for i in range(3))
+    assert 'warning' not in capsys.readouterr().err  # every member as long as published
 
 
-def test_a_test_set_missing_from_its_archive_is_found_before_the_bpe(tmp_path):
+def test_wmt14_members_of_another_line_count_than_published_are_named_before_the_bpe(tmp_path, monkeypatch,
+                                                                                       capsys):
+    files, *_ = wmt14_de_en_archives()
+    as_published(monkeypatch, files, dict(data_prep.LINES))  # the real counts: the toy members fall short
+    (tmp_path / 'mirror').mkdir()
+    for name, data in files.items():
+        (tmp_path / 'mirror' / name).write_bytes(data)
+    bpe, warned = data_prep.train_tokenizer, []
+
+    def read_then_learn(texts, *args):  # as rustbpe: all texts read before the first merge
+        texts = list(texts)
+        warned.append(capsys.readouterr().err)
+        return bpe(iter(texts), *args)
+    monkeypatch.setattr(data_prep, 'train_tokenizer', read_then_learn)
+    data_prep.main(['wmt14', '--src', 'en', '--tgt', 'de', '--mirror', str(tmp_path / 'mirror'),
+                    '--vocab-size', '300', '--out', str(tmp_path / 'wmt')])
+    assert sum(line.startswith('warning') for line in warned[0].splitlines()) == 4  # 3 training members, dev
+    assert 'commoncrawl.tgz:commoncrawl.de-en.en has 50 lines, not the 2,399,123 published' in warned[0]
+    assert 'warning' not in capsys.readouterr().err  # each said once, not again as the splits are written
+
+
+def test_test_full_tgz_is_checked_against_sacrebleus_md5(server, tmp_path, monkeypatch):
+    server.files['test-full.tgz'] = data = tgz({'test-full/newstest2014-deen-src.en.sgm': sgm(['a b'])})
+    with pytest.raises(SystemExit) as e:
+        data_prep.download(server.url + 'test-full.tgz', str(tmp_path / 'test-full.tgz'))
+    assert 'md5' in str(e.value) and 'expected a8cd784e006feb32ac6f3d9ec7eb389a' in str(e.value)
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setitem(data_prep.CHECKSUMS, 'test-full.tgz', (None, hashlib.md5(data).hexdigest()))
+    path = data_prep.download(server.url + 'test-full.tgz', str(tmp_path / 'test-full.tgz'))
+    assert open(path, 'rb').read() == data  # the same bytes, their md5 taken for sacrebleu's: accepted
+
+
+def test_a_test_set_missing_from_its_archive_is_found_before_the_bpe(tmp_path, monkeypatch):
     files, *_ = wmt14_de_en_archives()
     files['test-full.tgz'] = tgz({'test-full/newstest2014-deen-src.en.sgm': sgm(['a b'])})  # no German side
+    as_published(monkeypatch, files)
     (tmp_path / 'mirror').mkdir()
     for name, data in files.items():
         (tmp_path / 'mirror' / name).write_bytes(data)
@@ -378,6 +425,12 @@ def test_reads_plain_gz_tar_members_and_sgm_without_shifting_lines(tmp_path):
     assert list(data_prep.read_lines(str(tmp_path / 'a.tgz'), 'x/t.sgm')) == want[:2]
     with pytest.raises(SystemExit, match='has no member x/missing'):
         list(data_prep.read_lines(str(tmp_path / 'a.tgz'), 'x/missing'))
+
+
+def test_a_byte_order_mark_is_not_read_as_text(tmp_path):
+    # Common Windows editors start a UTF-8 file with one; `cat` of two such files puts one on a later line.
+    (tmp_path / 'f.txt').write_bytes('\ufeffa man\nb\n\ufeffc\n'.encode())
+    assert list(data_prep.read_lines(str(tmp_path / 'f.txt'))) == ['a man', 'b', 'c']
 
 
 def test_invalid_utf8_is_an_error_naming_file_and_line_or_replaced_with_a_warning(tmp_path, capsys):

@@ -95,6 +95,23 @@ def test_float32_export_decodes_as_model_py(toy):
     assert all(s < 0 for a in ours for s, _ in a)
 
 
+def test_an_export_never_generates_ids_past_the_tokenizers(toy, tmp_path):
+    # vocab_size rounded up: the 5 ids past the tokenizer's have no text. Here the decoder's last LayerNorm
+    # gives every position one state, whose logits favour those ids above all others.
+    n = toy['enc'].n_vocab
+    torch.manual_seed(1)
+    model = M.Transformer(dataclasses.replace(toy['model'].cfg, vocab_size=n + 5, pre_norm=False)).eval()
+    with torch.no_grad():
+        model.decoder[-1].norm3.weight.zero_()
+        model.decoder[-1].norm3.bias.fill_(1.0)
+        model.embed.weight[n:] = 1.0
+    E.export(model, toy['d'], str(tmp_path / 'ct2'))
+    ct2, enc = T.load_ct2(str(tmp_path / 'ct2'))
+    src = torch.tensor([enc.encode_ordinary(toy['lines'][0]) + [model.cfg.eos_id]])
+    for beam in (1, 4):
+        assert all(t < n for hyp, _ in ct2.decode(src, beam, 0.6, 1, 50, beam)[0] for t in hyp)
+
+
 def test_int8_export_is_smaller_and_translates_nearly_as_float32(toy, tmp_path):
     E.main(['--ckpt', toy['ckpt'], '--out', str(tmp_path / 'int8'), '--quantization', 'int8'])
     info = json.loads((tmp_path / 'int8' / T.CT2_MARKER).read_text())

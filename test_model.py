@@ -62,6 +62,20 @@ def test_padding_never_changes_real_positions(pre_norm):
     torch.testing.assert_close(mem_batch, mem_alone, atol=1e-5, rtol=0)
 
 
+def test_attention_weights_times_v_are_sdpa_output():
+    # Equation (1) written out (plot.py's pictures) against the SDPA call of training and decoding, masked by
+    # key padding, causally (is_causal aligns top-left, here 3 queries over 5 keys) and with no key left.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    padding = torch.tensor([[True] * 5, [True, True, False, False, False]])[:, None, None, :]
+    causal, none = torch.ones(3, 5, dtype=torch.bool).tril(), torch.zeros(3, 5, dtype=torch.bool)
+    for mask, sdpa in ((None, {}), (padding, dict(attn_mask=padding)), (causal, dict(is_causal=True)),
+                       (none, dict(attn_mask=none))):
+        w = M.attention_weights(q, k, mask)
+        torch.testing.assert_close(w @ v, F.scaled_dot_product_attention(q, k, v, **sdpa), atol=1e-6, rtol=0)
+    assert (w == 0).all()  # no key left: SDPA's zeros, not 0/0
+
+
 def test_decoder_is_causal():
     m = tiny()
     src = torch.randint(3, 24, (2, 6))
@@ -279,6 +293,20 @@ def test_loss_chunks_are_projected_in_the_compute_dtype_without_a_cast_per_chunk
     assert [s[3] for s in seen] == [2 ** 24 // V] * 2 + [1000 - 2 * (2 ** 24 // V)]
 
 
+def test_the_loss_under_no_grad_computes_no_gradients():
+    # train.py validates under no_grad, where the shared embedding still requires grad: the two gradient
+    # matmuls (and a float32 V x d buffer) would be work thrown away.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, target = torch.randn(6, 8), torch.randn(40, 8, requires_grad=True), torch.randint(3, 40, (6,))
+    flops = []
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as counter:
+            M.label_smoothed_loss(x, w, target)
+        flops.append(counter.get_total_flops())
+    assert flops == [2 * 6 * 8 * 40, 3 * 2 * 6 * 8 * 40]  # the logits; with grad, d/dx and d/dW too
+
+
 def test_init_is_xavier_per_matrix_of_the_paper():
     # Q, K and V each Xavier as their own d x d matrix; the FFN and output projections plain Xavier.
     torch.manual_seed(0)
@@ -445,6 +473,18 @@ def test_beam_never_keeps_an_eos_candidate_alive():
         for hyp, s in hyps:
             assert s == pytest.approx(score(hyp, alpha), abs=1e-6), (hyp, s)
         assert [4] not in [h for h, _ in hyps]
+
+
+def test_ids_past_the_tokenizers_are_never_generated():
+    # vocab_size rounds the tokenizer's 20 ids up to 24; the 4 added have no text, even where favoured.
+    m, favoured = tiny(), torch.zeros(24)
+    m.cfg.tokenizer_size, favoured[20:] = 20, 100.0
+    m.output = lambda x: F.linear(x, m.embed.weight) + favoured
+    src = pad_batch([[5, 6, 7, EOS], [8, EOS]])
+    logp = M.next_log_probs(m, torch.full((2, 1), BOS), *m.encode(src), m.new_cache())
+    assert (logp[:, 20:] == -math.inf).all() and (logp[:, 3:20] > -math.inf).all()
+    for hyps in (M.greedy_decode(m, src), M.beam_search(m, src, nbest=4)):
+        assert all(t < 20 for h in hyps for toks, _ in h for t in toks)
 
 
 def test_outputs_respect_max_length():

@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -184,6 +183,7 @@ def test_a_run_logs_progress_and_writes_snapshots_a_state_and_their_average(run)
     assert_same_params(avg, params(out, 'ckpt.pt'))
     model, enc, ckpt = translate.load_checkpoint(str(out / 'ckpt.pt'), 'cpu')
     assert ckpt['step'] == 6 and ckpt['config']['max_steps'] == 6
+    assert ckpt['model_cfg']['tokenizer_size'] == enc.n_vocab  # the ids past it are never decoded
     assert len(list(translate.translate_lines(model, enc, ['w1 w2 w3'], beam=2))) == 1
     best = torch.load(out / 'ckpt_best.pt', weights_only=True)  # the final evaluation's BLEU, which it holds
     assert best['valid_bleu'] == records(out, 'valid_bleu')[-1]['valid_bleu']
@@ -400,6 +400,14 @@ def test_resume_counts_the_training_time_already_spent(run, data_dir, tmp_path):
     assert data_prep.checkpoints(str(out))[-1].endswith('6.pt') and 'step 7 ' not in res.stdout
 
 
+def test_resume_with_another_number_of_processes_says_dropout_is_reseeded(run, data_dir, tmp_path):
+    out = copy_run(run, tmp_path)
+    state = torch.load(out / 'state_0000006.pt', weights_only=False)
+    torch.save({**state, 'rng': state['rng'] * 2}, out / 'state_0000006.pt')  # as if 2 processes saved it
+    res = train(['--max_steps=6', '--init_from=resume', '--dropout=0.1'], out, data_dir)
+    assert 'resumed by 1 process(es), saved by 2: dropout is reseeded' in res.stdout
+
+
 def test_resume_keeps_the_best_checkpoint_unless_a_better_one_comes(run, data_dir, tmp_path):
     out = copy_run(run, tmp_path)
     best = torch.load(out / 'ckpt_best.pt', weights_only=False)
@@ -489,18 +497,18 @@ def test_batches_are_prefetched_in_order_by_a_background_thread():
     from concurrent.futures import ThreadPoolExecutor
 
     prefetched = load_function('prefetched', ThreadPoolExecutor=ThreadPoolExecutor)
-    made = []
+    made, last = [], threading.Event()
 
     def items():
         for i in range(5):
             made.append((i, threading.current_thread() is threading.main_thread()))
+            if i == 4:
+                last.set()
             yield i
 
     got = prefetched(items())
     assert [next(got) for _ in range(4)] == [0, 1, 2, 3]
-    for _ in range(500):  # the item after the one in hand is made meanwhile, in another thread
-        if len(made) < 5:
-            time.sleep(0.01)
+    assert last.wait(timeout=60)  # the item after the one in hand is made meanwhile, in another thread
     assert made == [(i, False) for i in range(5)]
 
 

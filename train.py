@@ -176,13 +176,12 @@ if init_from == 'resume':  # the run goes on as it began: architecture, optimize
     if changed:
         sys.exit(f"init_from='resume' continues {out_dir} as it began, but these settings differ: "
                  f"{', '.join(changed)}; drop them, or start anew with --init_from={out_dir}/ckpt.pt")
-elif state is not None:  # fine-tuning: dropout is a training setting, the rest is the checkpoint's
-    model_cfg.dropout, model_cfg.attn_dropout = dropout, attn_dropout
+# Dropout is a training setting (a resume keeps the run's); ids past the tokenizer's are never generated.
+model_cfg.dropout, model_cfg.attn_dropout, model_cfg.tokenizer_size = dropout, attn_dropout, enc.n_vocab
 arch = {k: v for k, v in asdict(model_cfg).items() if fine_tuned_from and k in config and config[k] != v}
 if arch:  # said, and the settings made to agree, so the config saved with each checkpoint is the model's
     log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
-    config.update(arch)
-    globals().update(arch)
+    config.update(arch), globals().update(arch)
 for split, data in (('training', train_data), ('validation', valid_data)):
     sizes = data_prep.pair_sizes(data)  # a pair's padded tokens: its longer side + EOS
     if len(sizes) and sizes.min() > max_tokens:
@@ -207,19 +206,20 @@ for m in [m for m in raw_model.modules() if isinstance(m, torch.nn.Dropout)] if 
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                              weight_decay=weight_decay, fused=True)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
-step, epoch, batch_idx, best_bleu, elapsed = 0, 0, 0, -1.0, 0.0
+step, epoch, batch_idx, best_bleu, elapsed = (0, 0, 0, -1.0, 0.0) if init_from != 'resume' else (
+    state['step'], state['epoch'], state['next_batch'], state['best_bleu'], state['elapsed'])
 if state is not None:
     raw_model.load_state_dict(state['model'])
 if init_from == 'resume':
     optimizer.load_state_dict(state['optimizer'])
     if state['scaler'] and dtype == 'float16':  # empty where the run did not train in float16
         scaler.load_state_dict(state['scaler'])
-    step, epoch, batch_idx, elapsed = state['step'], state['epoch'], state['next_batch'], state['elapsed']
-    best_bleu = state['best_bleu']
     with contextlib.suppress(Exception):  # the final evaluation's ckpt_best.pt postdates the state
         best_bleu = max(best_bleu, torch.load(os.path.join(out_dir, 'ckpt_best.pt'), mmap=True)['valid_bleu'])
     rng = state['rng'][rank] if len(state['rng']) == world else None  # dropout goes on as if never stopped
     torch.set_rng_state(rng['cpu']) if rng else torch.manual_seed(seed + rank + 1000003 * step)
+    if not rng:  # the generators were saved per rank: another number of ranks cannot go on with them
+        log(f"resumed by {world} process(es), saved by {len(state['rng'])}: dropout is reseeded")
     if rng and rng['cuda'] is not None and device_type == 'cuda':
         torch.cuda.set_rng_state(rng['cuda'])
     for f in glob.glob(os.path.join(out_dir, '*.pt.*.tmp')) if master else []:  # a save killed midway
@@ -296,7 +296,7 @@ def validation_bleu():
         ids = [mine[j] for j in batch]
         with autocast:
             out = M.beam_search(raw_model, get_batch(valid_data, ids)[0], bleu_beam, bleu_lenpen)
-        hyps.update((i, enc.decode([t for t in h[0][0] if t < enc.n_vocab])) for i, h in zip(ids, out))
+        hyps.update((i, enc.decode(h[0][0])) for i, h in zip(ids, out))
     hyps = {i: h for share in gather(hyps) for i, h in share.items()}
     return BLEU().corpus_score([hyps.get(i, '') for i in range(len(valid_ref))], [valid_ref]).score
 

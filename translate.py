@@ -41,6 +41,7 @@ def check_tokenizer(path, cfg, enc):
     for name, want in (('<pad>', cfg.pad_id), ('<s>', cfg.bos_id), ('</s>', cfg.eos_id)):
         if enc.encode(name, allowed_special='all') != [want]:
             fail(f"{path}: the tokenizer's {name} is not the model's id {want}")
+    cfg.tokenizer_size = enc.n_vocab  # decoding never generates the ids past it (a checkpoint may not say)
 
 
 def default_lenpen(ckpt, path='checkpoint'):
@@ -167,7 +168,8 @@ class CT2Model:
         return self
 
     def decode(self, src, beam, alpha, max_len_a, max_len_b, nbest):
-        cfg = self.cfg
+        cfg = self.cfg  # as model.py, never PAD, BOS or the ids past the tokenizer's (vocab_size rounds up)
+        never = [['<pad>'], ['<s>'], *([t] for t in self.tokens[cfg.tokenizer_size or cfg.vocab_size:])]
         limit = M.max_lengths(self, src, max_len_a, max_len_b).tolist()
         # The export appends EOS itself (add_source_eos, as CTranslate2's fairseq converter sets it).
         rows = [[self.tokens[t] for t in row if t != cfg.pad_id][:-1] for row in src.tolist()]
@@ -189,8 +191,7 @@ class CT2Model:
             results = self.translator.translate_batch(
                 [rows[i] for i in group], beam_size=beam, num_hypotheses=beam,
                 length_penalty=alpha if beam > 1 else 0, max_decoding_length=steps, min_decoding_length=0,
-                max_input_length=0, return_scores=True, return_end_token=True,
-                suppress_sequences=[['<pad>'], ['<s>']])
+                max_input_length=0, return_scores=True, return_end_token=True, suppress_sequences=never)
             redo, finished = {}, []
             for i, r in zip(group, results):
                 # Search finished on the step its longest hypothesis ended; before this sentence's own last

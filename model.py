@@ -107,12 +107,12 @@ def packed_attention(q, k, v, rows_q, rows_k, causal, dropout_p):
     if q.is_cuda:  # flash attention over variable lengths (the kernel of torch.nn.attention.varlen)
         y = torch.ops.aten._flash_attention_forward(q, k, v, rows_q.cu, rows_k.cu, rows_q.max_len,
                                                     rows_k.max_len, dropout_p, causal, False)[0]
-    else:  # the same by a block-diagonal mask over all N x N pairs: for tests, not speed
-        seg_q, seg_k = (torch.searchsorted(r.cu, torch.arange(len(t)), right=True) for r, t in
-                        ((rows_q, q), (rows_k, k)))
+    else:  # equation (1) with a block-diagonal mask over all N x N pairs: for tests, not speed
+        seg_q = torch.searchsorted(rows_q.cu, torch.arange(len(q)), right=True)  # each token's sentence
+        seg_k = torch.searchsorted(rows_k.cu, torch.arange(len(k)), right=True)
         mask = (seg_q[:, None] == seg_k) & (rows_q.pos[:, None] >= rows_k.pos if causal else True)
-        y = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)), attn_mask=mask,
-                                           dropout_p=dropout_p).transpose(0, 1)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        return (F.dropout(attention_weights(q, k, mask), dropout_p) @ v)[None]
     return y.transpose(0, 1)[None]
 
 
@@ -232,24 +232,22 @@ class Transformer(nn.Module):
 
 def pack(src, tgt_in, pad_id, size=None, max_len=None):
     """Padded src (B, S), tgt_in (B, T) on the host -> each side's tokens end to end in one row (1, N), the
-    rows of the real targets (the first ones) and (source, target) Packed. size: both rows padded to it by
+    rows of the real targets (the first ones) and (source, target) Packed. size: both rows filled up to it by
     sentences of PAD (max_len at most), sentence counts to a power of two: few shapes, for CUDA graphs."""
-    sides = []
-    for x in (src, tgt_in):
+    real, out = [int((x != pad_id).sum()) for x in (src, tgt_in)], []
+    if size is not None:  # as many offsets on both sides, a power of two: the last sentences are empty
+        slots = 2 ** math.ceil(math.log2(len(src) + 1 - min((r - size) // max_len for r in real)))
+    for x, r in zip((src, tgt_in), real):
         keep = x != pad_id
         tokens, pos, lens = x[keep], torch.arange(x.size(1)).expand_as(x)[keep], keep.sum(1).tolist()
         if size is not None:
-            n = size - len(tokens)
+            n = size - r
             tokens, pos = F.pad(tokens, (0, n), value=pad_id), torch.cat([pos, torch.arange(n) % max_len])
             lens += [max_len] * (n // max_len) + [n % max_len] * (n % max_len > 0)
+            lens += [0] * (slots - 1 - len(lens))
         cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).int()
-        sides.append([tokens[None], cu, pos, max_len or max(lens)])
-    if size is not None:  # the same number of sentences on both sides: a power of two, the last ones empty
-        n = 2 ** math.ceil(math.log2(max(len(side[1]) for side in sides)))
-        for side in sides:
-            side[1] = F.pad(side[1], (0, n - len(side[1])), value=size)
-    (src, *s), (tgt, *t) = sides
-    return src, tgt, slice(0, int((tgt_in != pad_id).sum())), (Packed(*s), Packed(*t))
+        out += [tokens[None], Packed(cu, pos, max_len or max(lens))]
+    return out[0], out[2], slice(0, real[1]), (out[1], out[3])
 
 
 def extend(past, new, order=None):

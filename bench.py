@@ -3,6 +3,7 @@ How fast is model.py, measured on your own machine in one command:
 
     python bench.py                                     # small model, under 2 minutes on a 2-core CPU
     python bench.py --config base --batch-tokens 8192   # the paper's base model
+    python bench.py --config config/multi30k.py         # train.py's step of a recipe, on its data
     python bench.py --data data/NAME --peak h100 --json # real batches, MFU against a table peak, JSON
     python bench.py --translate out/RUN/ckpt.pt --input SRC --ref REF   # decoding real text, vs CTranslate2
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import configurator
 import data_prep
 import model as M
 import translate as T
@@ -37,8 +39,7 @@ CONFIGS = {
     'tiny': dict(vocab_size=512, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4),
     'small': dict(vocab_size=8000, n_enc_layers=3, n_dec_layers=3, d_model=256, d_ff=1024, n_heads=4),
 }
-# Dense (no 2:4 sparsity) tensor-core peaks in FLOP/s from the vendor data sheets; on these GPUs
-# float32 matmuls run as TF32 (bench.py turns it on), so the float32 peak is the TF32 one.
+# Dense tensor-core peaks in FLOP/s, the vendors' data sheets; float32 runs as TF32 (bench.py turns it on).
 PEAKS = {'a100': {'bfloat16': 312e12, 'float32': 156e12},
          'h100': {'bfloat16': 989e12, 'float32': 495e12},   # SXM
          'h200': {'bfloat16': 989e12, 'float32': 495e12}}
@@ -47,13 +48,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def flops_per_step(cfg, B, S, T, tokens=None):
-    """Matmul FLOPs of one training step (forward + backward) over a padded batch: B sentences, source
-    padded to S tokens (EOS included), decoder input padded to T. Padded positions are computed like
-    real ones, so padded sizes give the work the hardware did, but for the output projection, which
-    train.py runs over the `tokens` real target tokens alone. An (m x k) @ (k x n) matmul is 2*m*k*n.
-    Conventions: attention counts the full S*S, T*T and T*S score matrices (a causal kernel may skip
-    up to half of T*T); layer norm, softmax, dropout, biases and embedding lookups are left out (O(d)
-    per token); backward = 2 x forward (gradients of inputs and of weights)."""
+    """Matmul FLOPs of one training step (forward + backward = 3 x forward) over a padded batch: B sentences,
+    source padded to S tokens (EOS included), decoder input to T: the work the hardware did, but for the
+    output projection over the `tokens` real targets alone (train.py's). (m x k) @ (k x n): 2*m*k*n FLOPs.
+    Attention counts the full S*S, T*T, T*S scores; O(d) per-token work (norms, softmax, biases) is out."""
     d, f, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
     enc_layer = (2 * B * S * (3 * d * d + d * d + 2 * d * f)  # QKV, output projection, FFN, per token
                  + 2 * B * S * S * d * 2)                     # Q K^T and attn @ V, over all heads
@@ -85,9 +83,8 @@ def make_batches(data, cfg, batch_tokens, n, device):
 
 
 class Builtin(nn.Module):
-    """torch.nn.Transformer, the library module one would otherwise pick, completed the same way as
-    ours: shared embedding and output projection scaled by sqrt(d_model), sinusoidal positions, the
-    same masks. Identical parameter count and matmul FLOPs (tested)."""
+    """torch.nn.Transformer, the module one would otherwise pick, completed as ours: shared embedding and
+    output projection, sinusoidal positions, the same masks; the same parameters and FLOPs (tested)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -122,8 +119,7 @@ def timed(fn, device):
 
 
 def measure_peak(dtype, device):
-    # Best of a few large square GEMMs on random data: what the matmul units reach here (MFU's denominator
-    # on a CPU, a second one beside the data sheet's on a GPU); n large enough to keep all cores busy.
+    # Best of a few large square GEMMs: MFU's denominator on a CPU, a second one beside a GPU's data sheet.
     n = 8192 if device.type == 'cuda' else 2048
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     times = [timed(lambda: a @ b, device)[1] for _ in range(10 if device.type == 'cuda' else 4)]
@@ -134,10 +130,12 @@ def bench_train(cfg, impl, compiled, dtype, batches, warmup, device, profile=Fal
     """Trains on batches; times the steps after the first `warmup` (compilation, allocator warm-up)."""
     torch.manual_seed(0)
     model = (M.Transformer if impl == 'ours' else Builtin)(cfg).to(device).train()
+    if impl == 'ours' and device.type == 'cpu':  # train.py's step exactly: its dropout mask, fused Adam
+        data_prep.cpu_dropout(model)
     for layer in [*model.encoder, *model.decoder] if compiled else []:  # as train.py: per layer (identical
         layer.compile(dynamic=True)  # layers share a graph: compile time does not grow with depth), and
     chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compiled else M.loss_chunk  # the loss's chunks
-    opt = torch.optim.Adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, fused=device.type == 'cuda')
+    opt = torch.optim.Adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, fused=True)
 
     def steps(batches):
         for src, tgt_in, rows, targets in batches:
@@ -145,6 +143,7 @@ def bench_train(cfg, impl, compiled, dtype, batches, warmup, device, profile=Fal
                 x = model(src, tgt_in, rows)
                 loss, _ = M.label_smoothed_loss(x, model.embed.weight, targets, 0.1, chunk_fn)
             (loss / len(rows)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)  # train.py logs the norm
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -183,8 +182,7 @@ def bench_decode(cfg, src, dtype, beam, device, out_len):
     model = M.Transformer(cfg).to(device).eval()
     runs = [('greedy', 'model.py', lambda: M.greedy_decode(model, src, 0.0, out_len + 1)),
             (f'beam {beam}', 'model.py', lambda: M.beam_search(model, src, beam, 0.6, 0.0, out_len + 1))]
-    rows = []
-    # Packed weights as translate.py decodes with (they change nothing for the CT2 rows).
+    rows = []  # with packed weights, as translate.py decodes (they change nothing for the CT2 rows)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32), T.packed_weights(model):
         for name, how, fn in runs + ct2_runs(model, src, beam, out_len, device):
             fn()  # warm-up: allocator, thread pools
@@ -204,9 +202,8 @@ def run_script(name, *args):
 
 
 def bench_translate(args):
-    """Sentences/s, BLEU and agreement of translate.py on real text: model.py (fairseq's stop rule, and
-    --exact) and its CTranslate2 exports, beam and greedy. Each row is a fresh process, as a user runs it;
-    rows alternate within each round, so a machine that slows down does so for all of them."""
+    """Sentences/s, BLEU and agreement of translate.py on real text: model.py (its stop rule and --exact) and
+    its CTranslate2 exports, beam and greedy; a process per row, the rows alternating in each round."""
     load, tmp = os.getloadavg()[0], tempfile.TemporaryDirectory()
     impls = [('model.py', args.translate, []), ('model.py --exact', args.translate, ['--exact'])]
     if importlib.util.find_spec('ctranslate2'):
@@ -237,8 +234,7 @@ def bench_translate(args):
                   threads=torch.get_num_threads(), load_avg_before=load, sentences=len(rows[0]['lines']),
                   rows=[{k: v for k, v in r.items() if k not in ('cmd', 'lines')} for r in rows])
     if args.json:
-        print(json.dumps(record))
-        return record
+        return print(json.dumps(record)) or record
     print(f"{record['device_name']}, torch {torch.__version__}, {record['threads']} threads; "
           f"{args.translate} on {record['sentences']} lines of {args.input}, {args.rounds} round(s)")
     warn_if_loaded(load, args.device)
@@ -268,32 +264,34 @@ def warn_if_loaded(load, device):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--config', default='small', choices=[*CONFIGS, *M.PRESETS],
-                   help='tiny, small: defined here; base, big: model.preset')
-    p.add_argument('--batch-tokens', type=int, default=2048, help='max padded tokens per side per batch')
-    p.add_argument('--data', help='data/NAME from data_prep.py: real training batches instead of synthetic')
+    p.add_argument('--config', default='small', help='tiny, small: defined here; base, big: model.preset; or '
+                   "a train.py config file: its model, max_tokens and data_dir (train.py's step exactly)")
+    p.add_argument('--batch-tokens', type=int, help='max padded tokens per side per batch (default 2048)')
+    p.add_argument('--data', help='data/NAME from data_prep.py: its batches instead of synthetic ones')
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    p.add_argument('--dtype', nargs='+', choices=DTYPES, help='training rows in each; decoding in the first '
-                   '(default: data_prep.fast_dtype, bfloat16 where native, else float32)')
-    p.add_argument('--peak', choices=['measured', *PEAKS], help='MFU denominator (default: the table if this '
-                   'GPU is in it, else a GEMM timed here; "of GEMM" always divides by the GEMM)')
-    p.add_argument('--profile', action='store_true', help='print where the timed steps of each row spent '
-                   'their time, by operator (the timings then include the profiler)')
+    p.add_argument('--dtype', nargs='+', choices=DTYPES, help='training rows in each, decoding in the first')
+    p.add_argument('--peak', choices=['measured', *PEAKS], help='MFU denominator (default: a data sheet)')
+    p.add_argument('--profile', action='store_true', help="where each row's timed steps went, by operator")
     p.add_argument('--compile', choices=['auto', 'on', 'off'], default='auto',
                    help='auto: on a GPU, or tiny and small (compiling base or big takes minutes on a CPU)')
-    p.add_argument('--warmup', type=int, help="untimed steps per row: compilation, and on a GPU each batch "
-                   "shape's one-time cost (default 30 on a GPU, 1 on a CPU)")
+    p.add_argument('--warmup', type=int, help='untimed steps per row (default 30 on a GPU, 1 on a CPU)')
     p.add_argument('--steps', type=int, default=3, help='timed training steps per row')
     p.add_argument('--decode-sents', type=int, default=32, help='decoded at once, each of 24 source tokens')
     p.add_argument('--decode-len', type=int, default=20, help='output tokens per sentence (then EOS)')
     p.add_argument('--beam', type=int, default=4)
     p.add_argument('--json', action='store_true', help='print one JSON record instead of tables')
     g = p.add_argument_group('--translate', 'other options (--ref REF for BLEU, ...) go to translate.py')
-    g.add_argument('--translate', metavar='CKPT', help='decode --input with this checkpoint and its '
-                   'CTranslate2 exports instead of the training and synthetic rows')
+    g.add_argument('--translate', metavar='CKPT', help='decode --input by CKPT and its CTranslate2 exports')
     g.add_argument('--input', help='source text, one sentence per line')
     g.add_argument('--rounds', type=int, default=3, help='each row this many times, the rows alternating')
     args, args.translate_args = p.parse_known_args(argv)
+    if args.config.endswith('.py'):  # a train.py config: its model, max_tokens and data_dir, as train.py's
+        s = configurator.run_file(args.config, dict(vars(M.Config()), max_tokens=0, data_dir=''))
+        CONFIGS[args.config] = {f.name: s[f.name] for f in dataclasses.fields(M.Config)}
+        args.batch_tokens, args.data = args.batch_tokens or s['max_tokens'], args.data or s['data_dir']
+    elif args.config not in [*CONFIGS, *M.PRESETS]:
+        p.error(f'--config: {args.config!r} is neither tiny, small, base, big nor a config file')
+    args.batch_tokens = args.batch_tokens or 2048
     if args.translate_args and not args.translate:
         p.error(f"unrecognized arguments: {' '.join(args.translate_args)}")
     if args.translate and not args.input:  # translate.py would wait on standard input
@@ -312,12 +310,14 @@ def main(argv=None):
     if cuda:  # TF32 matmuls; no cuDNN attention, which plans anew for each batch shape (docs/performance.md)
         torch.set_float32_matmul_precision('high')
         torch.backends.cuda.enable_cudnn_sdp(False)
-    else:  # as train.py and translate.py do
+    else:  # as train.py does (translate.py keeps the flash kernel)
         data_prep.keep_freed_memory()
-    cfg = M.Config(**M.PRESETS[args.config]) if args.config in M.PRESETS else M.Config(**CONFIGS[args.config])
-    if args.data:
+        torch.backends.cuda.enable_flash_sdp('bfloat16' not in args.dtype)
+    cfg = M.Config(**{**CONFIGS, **M.PRESETS}[args.config])
+    if args.data:  # the vocabulary rounded up to a multiple of 8, as train.py does
         meta = data_prep.load_meta(args.data)
-        cfg = dataclasses.replace(cfg, **{k: meta[k] for k in ('vocab_size', 'pad_id', 'bos_id', 'eos_id')})
+        cfg = dataclasses.replace(cfg, vocab_size=(meta['vocab_size'] + 7) // 8 * 8,
+                                  **{k: meta[k] for k in ('pad_id', 'bos_id', 'eos_id')})
         data = data_prep.load_split(args.data, 'train')
     else:  # about twice the sentences of ~25 tokens that the batches need
         data = synthetic_split((args.warmup + args.steps) * args.batch_tokens // 12 + 64, cfg.vocab_size)
@@ -333,7 +333,7 @@ def main(argv=None):
     peak_name = args.peak or next((k for k in PEAKS if k in device_name(device).lower()), 'measured')
     gemm = {d: measure_peak(DTYPES[d], device) for d in args.dtype}
     peaks = gemm if peak_name == 'measured' else {d: PEAKS[peak_name][d] for d in args.dtype}
-    compiled = {'on': True, 'off': False, 'auto': cuda or args.config in CONFIGS}[args.compile]
+    compiled = {'on': True, 'off': False, 'auto': cuda or args.config in ('tiny', 'small')}[args.compile]
     variants = [(impl, c, d) for d in args.dtype for impl, c in
                 [('ours', False), ('ours', True), ('torch.nn.Transformer', False)] if compiled or not c]
     train = [bench_train(cfg, impl, c, DTYPES[d], batches, args.warmup, device, args.profile)

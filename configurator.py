@@ -22,17 +22,7 @@ def override(config, args):
         config[key] = value
     for arg in sorted(args, key=lambda a: a.startswith('--')):  # the files first, each group in its order
         if not arg.startswith('--'):
-            if not os.path.isfile(arg):
-                sys.exit(f"config file {arg} not found")
-            scope = dict(config)
-            try:
-                with open(arg, encoding='utf-8') as f:
-                    exec(compile(f.read(), arg, "exec"), scope)
-            except Exception as e:  # the file's own mistake: its line, not a traceback through train.py
-                lines = [e.lineno] if isinstance(e, SyntaxError) else \
-                    [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
-                sys.exit(f"config file {arg}, line {(lines or ['?'])[-1]}: {type(e).__name__}: {e}")
-            for key, value in scope.items():  # any name but its imports and functions must be a setting
+            for key, value in run_file(arg, config).items():  # any name but imports and functions: a setting
                 if not key.startswith('_') and not callable(value) and not isinstance(value, type(sys)):
                     check(key, value, arg)
         else:
@@ -47,3 +37,19 @@ def override(config, args):
                 value = raw  # --out_dir=2024 names the folder '2024'
             check(key, value, arg)
     return config
+
+
+def run_file(path, settings):
+    """A config file executed over a copy of settings (it may read them) -> its namespace; a mistake of the
+    file's own is one line naming its line, not a traceback through the script."""
+    if not os.path.isfile(path):
+        sys.exit(f"config file {path} not found")
+    scope = dict(settings)
+    try:
+        with open(path, encoding='utf-8') as f:
+            exec(compile(f.read(), path, "exec"), scope)
+    except Exception as e:
+        lines = [e.lineno] if isinstance(e, SyntaxError) else \
+            [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        sys.exit(f"config file {path}, line {(lines or ['?'])[-1]}: {type(e).__name__}: {e}")
+    return scope

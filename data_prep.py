@@ -156,9 +156,7 @@ def read_lines(path, member=None, errors='strict'):
             if member:
                 tar = tarfile.open(fileobj=f, mode='r|*')  # streaming: stops reading at the member
                 found = next((m for m in tar if os.path.normpath(m.name) == os.path.normpath(member)), None)
-                if found is None:
-                    sys.exit(f'error: {path} has no member {member}')
-                f = tar.extractfile(found)
+                f = tar.extractfile(found) if found else sys.exit(f'error: {path} has no member {member}')
             for i, raw in enumerate(gzip.GzipFile(fileobj=f) if name.endswith('.gz') else f, 1):
                 try:
                     text = raw.decode('utf-8-sig')  # a byte-order mark (Windows editors write one) is no text
@@ -208,12 +206,10 @@ def given_tokenizer(source):
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         sys.exit(f'error: --tokenizer {source}: not a tokenizer of data_prep.py ({type(e).__name__}: {e})')
 
-def same_tokenizer(a, b):
-    # The name is a label (the data folder's); the pattern, merges and special tokens are the tokenizer.
+def same_tokenizer(a, b):  # the name is a label (the data folder's): pattern, merges and specials are all
     return {k: v for k, v in a.items() if k != 'name'} == {k: v for k, v in b.items() if k != 'name'}
 
-def tokenizer_dict(data_dir):
-    """The tokenizer of a prepared directory as a JSON-able dict (train.py embeds it in checkpoints)."""
+def tokenizer_dict(data_dir):  # the tokenizer of a prepared directory as a dict (checkpoints embed it)
     return read_json(os.path.join(data_dir, 'tokenizer.json'))
 
 def read_json(path):
@@ -223,11 +219,9 @@ def read_json(path):
         except ValueError as e:  # which file, not only where in it
             raise ValueError(f"{path}: {e}") from None
 
-def read_tokenizer(source):
-    """The dict of a tokenizer given as one, as a tokenizer.json, or as a prepared data directory."""
-    if isinstance(source, dict):
-        return source
-    return tokenizer_dict(source) if os.path.isdir(source) else read_json(source)
+def read_tokenizer(source):  # the dict of a tokenizer given as one, a tokenizer.json or a prepared folder
+    return source if isinstance(source, dict) else tokenizer_dict(source) if os.path.isdir(source) else \
+        read_json(source)
 
 def load_tokenizer(path_or_dict):
     """tiktoken.Encoding from a tokenizer dict, a tokenizer.json, or a prepared data directory."""
@@ -236,8 +230,7 @@ def load_tokenizer(path_or_dict):
                              mergeable_ranks={base64.b64decode(b): r for b, r in d['ranks']},
                              special_tokens=dict(d['special_tokens']))
 
-def load_meta(data_dir):
-    """A prepared directory's meta.json: languages, vocabulary size, special ids, token dtype, split sizes."""
+def load_meta(data_dir):  # meta.json: languages, vocabulary size, special ids, token dtype, split sizes
     return read_json(os.path.join(data_dir, 'meta.json'))
 
 def load_split(data_dir, split):
@@ -482,6 +475,13 @@ def keep_freed_memory(keep=True):
         opts = [(-4, 0), (-1, 2 ** 30)] if keep else [(-3, 2 ** 23)]
         return all(ctypes.CDLL('libc.so.6').mallopt(*o) for o in opts)
     return False
+
+def cpu_dropout(model):  # nn.Dropout's CPU mask (bernoulli_) takes twice rand_like's time: performance.md
+    def forward(self, x):  # the draws in float32: bf16 would round p
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p if self.training and self.p > 0 else None
+        return x if keep is None else x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+    for m in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:
+        m.forward = forward.__get__(m)
 
 def source_files(args, key):
     """-> {split: [((path, member), (path, member)), ...]} with every remote file fetched first."""

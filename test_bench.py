@@ -114,7 +114,8 @@ def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(prepared, r
     rows += [(s, f'CT2 {q}') for q in ('float32', 'int8') for s in ('greedy', 'beam 4')] if CT2 else []
     assert [(d['search'], d['impl']) for d in r['decode']] == rows
     assert all(d['sents_per_s'] > 0 for d in r['decode'])
-    cfg = M.Config(**{**bench.CONFIGS['tiny'], **(IDS if real else {})})
+    ids = {**IDS, 'vocab_size': 504} if real else {}  # rounded up to a multiple of 8, as train.py does
+    cfg = M.Config(**{**bench.CONFIGS['tiny'], **ids})
     assert r['model_cfg'] == dataclasses.asdict(cfg) and r['params'] == count(M.Transformer(cfg))
 
 
@@ -140,3 +141,28 @@ def test_a_failing_script_ends_bench_with_its_own_last_line_of_error(tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.main(['--translate', str(tmp_path / 'nope.pt'), '--input', __file__, '--rounds', '1'])
     assert 'nope.pt' in str(e.value) and 'Traceback' not in str(e.value) and '\n' not in str(e.value)
+
+
+def test_a_training_config_file_gives_the_model_batch_size_and_data(tmp_path):
+    path = tmp_path / 'recipe.py'
+    path.write_text("d_model = 48\nd_ff = 4 * d_model\npre_norm = True\n"
+                    "max_tokens = 300\ndata_dir = 'd'\nlr = 1e-3\n")
+    args = bench.parse_args(['--config', str(path)])
+    assert bench.CONFIGS[args.config] == dataclasses.asdict(M.Config(d_model=48, d_ff=192, pre_norm=True))
+    assert (args.batch_tokens, args.data) == (300, 'd')  # lr: a training setting, not the step's shape
+    assert bench.parse_args(['--config', str(path), '--batch-tokens', '64']).batch_tokens == 64
+    with pytest.raises(SystemExit):
+        bench.parse_args(['--config', 'smal'])
+
+
+def test_the_cpu_step_is_train_pys_dropout_fused_adam_and_gradient_norm(monkeypatch):
+    calls, adam = [], torch.optim.Adam
+    monkeypatch.setattr(data_prep, 'cpu_dropout', lambda m: calls.append(('dropout', type(m).__name__)))
+    opt = lambda *a, **k: calls.append(('fused', k.get('fused'))) or adam(*a)
+    monkeypatch.setattr(torch.optim, 'Adam', opt)
+    norm = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, 'clip_grad_norm_', lambda *a: calls.append('norm') or norm(*a))
+    cfg = M.Config(**bench.CONFIGS['tiny'])
+    batches = bench.make_batches(bench.synthetic_split(40, cfg.vocab_size), cfg, 128, 2, 'cpu')
+    bench.bench_train(cfg, 'ours', False, torch.float32, batches, warmup=1, device=torch.device('cpu'))
+    assert calls == [('dropout', 'Transformer'), ('fused', True), 'norm', 'norm']

@@ -193,15 +193,8 @@ for split, data in (('training', train_data), ('validation', valid_data)):
         sys.exit(f"{data_dir} has {split} sentences over the model's max_len={model_cfg.max_len} tokens "
                  f"(with EOS): raise max_len, or leave them out (data_prep.py --max-len)")
 raw_model = M.Transformer(model_cfg).to(device)
-
-def cpu_dropout(self, x):  # nn.Dropout's CPU mask comes from bernoulli_, twice as slow (docs/performance.md)
-    if not self.training or self.p == 0:
-        return x
-    keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # float32: bf16 would round p
-    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
-
-for m in [m for m in raw_model.modules() if isinstance(m, torch.nn.Dropout)] if device_type == 'cpu' else []:
-    m.forward = cpu_dropout.__get__(m)
+if device_type == 'cpu':
+    data_prep.cpu_dropout(raw_model)
 # Fused Adam (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync.
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                              weight_decay=weight_decay, fused=True)

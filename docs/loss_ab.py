@@ -34,19 +34,10 @@ def plain_loss(logits, target, eps=0.1, pad_id=0):  # d2e49a4's label_smoothed_l
     return (1.0 - eps - eps_i) * nll + eps_i * smooth, nll.detach(), keep.sum()
 
 
-def cpu_dropout(self, x):
-    if not self.training or self.p == 0:
-        return x
-    keep = torch.rand_like(x, dtype=torch.float32) >= self.p
-    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
-
-
 def build(cfg):  # the model as train.py trains it on a CPU, and its optimizer
     torch.manual_seed(0)
     model = M.Transformer(cfg).train()
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.forward = cpu_dropout.__get__(m)
+    data_prep.cpu_dropout(model)
     return model, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
 
 

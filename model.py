@@ -5,7 +5,6 @@ decoder (3.1) with shared embeddings (3.4); then the loss (5.4) and decoding (6.
 """
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -86,34 +85,9 @@ class MultiHeadAttention(nn.Module):
                     mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T) if T > 1 else None
                     causal = False  # T == 1 sees all keys; training passes a bool (a SymBool: graph break)
         p = self.attn_dropout if self.training else 0.0
-        y = (packed_attention(q, k, v, *mask, causal, p) if isinstance(mask, tuple)  # (query, key) Packed
+        y = (mask[0](q, k, v, *mask[1:], causal, p) if isinstance(mask, tuple)  # packed.py's (fn, q, k rows)
              else F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p))
         return self.out_proj(y.transpose(1, 2).reshape(x.shape))
-
-
-class Packed(NamedTuple):
-    """Sentences laid end to end in one row, no padding (pack makes them): what attention needs to know."""
-    cu: torch.Tensor   # (sentences + 1,) int32: sentence i is the tokens cu[i]:cu[i + 1]
-    pos: torch.Tensor  # each token's position in its sentence (section 3.5)
-    max_len: int       # the longest sentence, or a bound on it
-
-    def to(self, device):
-        return self._replace(cu=self.cu.to(device), pos=self.pos.to(device))
-
-
-def packed_attention(q, k, v, rows_q, rows_k, causal, dropout_p):
-    """Attention within each sentence of packed rows; q, k, v (1, h, N, d_k) as heads() makes them."""
-    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, h, d_k) views: each head's d_k contiguous
-    if q.is_cuda:  # flash attention over variable lengths (the kernel of torch.nn.attention.varlen)
-        y = torch.ops.aten._flash_attention_forward(q, k, v, rows_q.cu, rows_k.cu, rows_q.max_len,
-                                                    rows_k.max_len, dropout_p, causal, False)[0]
-    else:  # equation (1) with a block-diagonal mask over all N x N pairs: for tests, not speed
-        seg_q = torch.searchsorted(rows_q.cu, torch.arange(len(q)), right=True)  # each token's sentence
-        seg_k = torch.searchsorted(rows_k.cu, torch.arange(len(k)), right=True)
-        mask = (seg_q[:, None] == seg_k) & (rows_q.pos[:, None] >= rows_k.pos if causal else True)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        return (F.dropout(attention_weights(q, k, mask), dropout_p) @ v)[None]
-    return y.transpose(0, 1)[None]
 
 
 class FeedForward(nn.Module):
@@ -200,7 +174,7 @@ class Transformer(nn.Module):
 
     def encode(self, src, packed=None):
         """src (B, S) -> memory (B, S, d_model) and the key-padding mask (B, 1, 1, S), True = attend."""
-        src_mask = (src != self.cfg.pad_id)[:, None, None, :] if packed is None else (packed, packed)
+        src_mask = (packed.attend, packed, packed) if packed else (src != self.cfg.pad_id)[:, None, None, :]
         x = self.embed_tokens(src, 0 if packed is None else packed.pos)
         for layer in self.encoder:
             x = layer(x, src_mask)
@@ -211,7 +185,8 @@ class Transformer(nn.Module):
         start = 0 if cache is None or 'k' not in cache[0]['self'] else cache[0]['self']['k'].size(2)
         x = self.embed_tokens(tgt, start if packed is None else packed.pos)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, src_mask, None if cache is None else cache[i], packed and (packed, packed))
+            x = layer(x, memory, src_mask, None if cache is None else cache[i],
+                      packed and (packed.attend, packed, packed))
         return self.dec_norm(x)
 
     def output(self, x):  # section 3.4: the pre-softmax linear transformation is the embedding matrix
@@ -219,35 +194,16 @@ class Transformer(nn.Module):
 
     def forward(self, src, tgt, rows=None, packed=None):
         """-> logits (B, T, V); with rows (of the B*T target positions), the decoder states there alone.
-        packed: the (source, target) Packed of rows that pack() laid end to end (B = 1)."""
+        packed: the (source, target) rows of sentences that packed.pack laid end to end (B = 1)."""
         if packed is None:
             x = self.decode(tgt, *self.encode(src))
-        else:  # the encoder's own pairs for self-attention; cross-attention pairs target with source
-            x = self.decode(tgt, self.encode(src, packed[0])[0], packed[::-1], packed=packed[1])
+        else:  # attention within each sentence (packed.py); across, target queries and source keys
+            s, t = packed
+            x = self.decode(tgt, self.encode(src, s)[0], (t.attend, t, s), packed=t)
         return self.output(x) if rows is None else x.flatten(0, 1)[rows]
 
     def new_cache(self):
         return [{'self': {}, 'cross': {}} for _ in self.decoder]
-
-
-def pack(src, tgt_in, pad_id, size=None, max_len=None):
-    """Padded src (B, S), tgt_in (B, T) on the host -> each side's tokens end to end in one row (1, N), the
-    rows of the real targets (the first ones) and (source, target) Packed. size: both rows filled up to it by
-    sentences of PAD (max_len at most), sentence counts to a power of two: few shapes, for CUDA graphs."""
-    real, out = [int((x != pad_id).sum()) for x in (src, tgt_in)], []
-    if size is not None:  # as many offsets on both sides, a power of two: the last sentences are empty
-        slots = 2 ** math.ceil(math.log2(len(src) + 1 - min((r - size) // max_len for r in real)))
-    for x, r in zip((src, tgt_in), real):
-        keep = x != pad_id
-        tokens, pos, lens = x[keep], torch.arange(x.size(1)).expand_as(x)[keep], keep.sum(1).tolist()
-        if size is not None:
-            n = size - r
-            tokens, pos = F.pad(tokens, (0, n), value=pad_id), torch.cat([pos, torch.arange(n) % max_len])
-            lens += [max_len] * (n // max_len) + [n % max_len] * (n % max_len > 0)
-            lens += [0] * (slots - 1 - len(lens))
-        cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).int()
-        out += [tokens[None], Packed(cu, pos, max_len or max(lens))]
-    return out[0], out[2], slice(0, real[1]), (out[1], out[3])
 
 
 def extend(past, new, order=None):

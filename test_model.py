@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import model as M
+import packed as P
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -238,12 +239,12 @@ def test_chunked_loss_and_every_gradient_equal_the_plain_path_over_real_tokens(d
 
 
 def packed_and_padded_grads(m, src, tgt_out, **pack_kw):
-    """(loss, gradients) of one batch padded, then packed by M.pack (pack_kw: size, max_len)."""
+    """(loss, gradients) of one batch padded, then packed by packed.pack (pack_kw: size, max_len)."""
     shifted = tgt_out[:, :-1].masked_fill(tgt_out[:, :-1] == EOS, PAD)
     tgt_in = torch.cat([torch.full_like(src[:, :1], BOS), shifted], 1)
     rows, targets = real_rows(tgt_out)
-    src_p, tgt_p, rows_p, packed = M.pack(src.cpu(), tgt_in.cpu(), PAD, **pack_kw)  # on the host, as train.py
-    packed = tuple(p.to(src.device) for p in packed)
+    src_p, tgt_p, rows_p, sides = P.pack(src.cpu(), tgt_in.cpu(), PAD, **pack_kw)  # on the host
+    packed = tuple(side.to(src.device) for side in sides)
     out = []
     for x in (m(src, tgt_in, rows), m(src_p.to(src.device), tgt_p.to(src.device), rows_p, packed)):
         loss, _ = M.label_smoothed_loss(x, m.embed.weight, targets)
@@ -266,10 +267,10 @@ def test_packed_rows_give_the_padded_loss_and_gradients(pre_norm, pack_kw):
 
 def test_pack_lays_sentences_end_to_end_in_few_shapes():
     src, tgt_in = pad_batch([[5, 6, EOS], [7, EOS]]), pad_batch([[BOS, 5, 6], [BOS, 8]])
-    s, t, rows, (ps, pt) = M.pack(src, tgt_in, PAD)
+    s, t, rows, (ps, pt) = P.pack(src, tgt_in, PAD)
     assert s.tolist() == [[5, 6, EOS, 7, EOS]] and t.tolist() == [[BOS, 5, 6, BOS, 8]] and rows == slice(0, 5)
     assert ps.cu.tolist() == [0, 3, 5] and ps.pos.tolist() == [0, 1, 2, 0, 1] and ps.max_len == 3
-    s, t, rows, (ps, pt) = M.pack(src, tgt_in, PAD, size=12, max_len=4)  # 7 PADs: sentences of 4 and 3
+    s, t, rows, (ps, pt) = P.pack(src, tgt_in, PAD, size=12, max_len=4)  # 7 PADs: sentences of 4 and 3
     assert s.shape == t.shape == (1, 12) and rows == slice(0, 5) and ps.max_len == pt.max_len == 4
     assert ps.cu.tolist() == pt.cu.tolist() == [0, 3, 5, 9, 12, 12, 12, 12]  # 8 offsets: a power of two
     assert ps.pos.tolist()[5:] == [0, 1, 2, 3, 0, 1, 2]

@@ -3,7 +3,7 @@ The GPU A/B and profile behind docs/performance.md: model.py's training step as 
 it (layers compiled with dynamic shapes, the loss's chunks compiled, bf16, fused Adam) on bench.py's synthetic
 WMT-like batches, in several variants in one process, the rounds alternating; medians with MFU.
     padded   today's step: padded batches, SDPA with the padding mask
-    packed   the same sentences end to end (model.pack): flash attention over variable lengths, no padding
+    packed   the same sentences end to end (packed.pack): flash attention over variable lengths, no padding
     graphs   packed to a fixed size, the model's forward and backward replayed as CUDA graphs (one per shape)
     eager-graphs   the same without torch.compile
     old      another version's model.py (--old), padded
@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 import model as M  # noqa: E402
+import packed as P  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument('--old', help="another version's model.py: variant 'old'")
@@ -58,7 +59,7 @@ def to_dev(b):
 def packed_batches(batches, size=None, max_len=None):  # on the host, as train.py's get_batch would
     out = []
     for src, tgt_in, rows, targets in batches:
-        s, t, rows, (ps, pt) = M.pack(src, tgt_in, cfg.pad_id, size, max_len)
+        s, t, rows, (ps, pt) = P.pack(src, tgt_in, cfg.pad_id, size, max_len)
         out.append((s.to(dev), t.to(dev), rows, targets.to(dev), ps.to(dev), pt.to(dev)))
     return out
 
@@ -80,8 +81,8 @@ def trainer(lib, name, compiled=True):
             self.model, self.max_len = model, max_len
 
         def forward(self, src, tgt, cu_s, pos_s, cu_t, pos_t):
-            return self.model(src, tgt, slice(None), (M.Packed(cu_s, pos_s, self.max_len),
-                                                      M.Packed(cu_t, pos_t, self.max_len)))
+            return self.model(src, tgt, slice(None), (P.Packed(cu_s, pos_s, self.max_len),
+                                                      P.Packed(cu_t, pos_t, self.max_len)))
 
     def forward(src, tgt_in, rows, ps=None, pt=None):
         if ps is None:

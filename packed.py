@@ -1,0 +1,59 @@
+"""
+Sentences laid end to end, without padding, for the GPU (docs/performance.md, "GPU (H100, 2026-11-27)"): each
+side of a batch becomes one row (B = 1), attention stays within each sentence (flash attention over variable
+lengths), and a row padded to a fixed size gives the few shapes that CUDA graphs need. model.py takes these
+rows through Transformer.forward(..., packed=); the padded batches of train.py are the default.
+"""
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from model import attention_weights
+
+
+def attend(q, k, v, rows_q, rows_k, causal, dropout_p):
+    """Attention within each sentence of packed rows; q, k, v (1, h, N, d_k) as MultiHeadAttention.heads."""
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, h, d_k) views: each head's d_k contiguous
+    if q.is_cuda:  # flash attention over variable lengths (the kernel of torch.nn.attention.varlen)
+        y = torch.ops.aten._flash_attention_forward(q, k, v, rows_q.cu, rows_k.cu, rows_q.max_len,
+                                                    rows_k.max_len, dropout_p, causal, False)[0]
+        return y.transpose(0, 1)[None]
+    # Elsewhere equation (1) with a block-diagonal mask over all N x N pairs: for tests, not speed.
+    seg_q = torch.searchsorted(rows_q.cu, torch.arange(len(q)), right=True)  # each token's sentence
+    seg_k = torch.searchsorted(rows_k.cu, torch.arange(len(k)), right=True)
+    mask = (seg_q[:, None] == seg_k) & (rows_q.pos[:, None] >= rows_k.pos if causal else True)
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    return (F.dropout(attention_weights(q, k, mask), dropout_p) @ v)[None]
+
+
+class Packed(NamedTuple):
+    """One side's sentences end to end in one row: what attention needs to know of them."""
+    cu: torch.Tensor   # (sentences + 1,) int32: sentence i is the tokens cu[i]:cu[i + 1]
+    pos: torch.Tensor  # each token's position in its sentence (section 3.5)
+    max_len: int       # the longest sentence, or a bound on it
+    attend = staticmethod(attend)  # model.py calls it with (this side, the other side)
+
+    def to(self, device):
+        return self._replace(cu=self.cu.to(device), pos=self.pos.to(device))
+
+
+def pack(src, tgt_in, pad_id, size=None, max_len=None):
+    """Padded src (B, S), tgt_in (B, T) on the host -> each side's tokens end to end in one row (1, N), the
+    rows of the real targets (the first ones) and (source, target) Packed. size: both rows filled up to it by
+    sentences of PAD (max_len at most), sentence counts to a power of two: few shapes, for CUDA graphs."""
+    real, out = [int((x != pad_id).sum()) for x in (src, tgt_in)], []
+    if size is not None:  # as many offsets on both sides, a power of two: the last sentences are empty
+        slots = 2 ** math.ceil(math.log2(len(src) + 1 - min((r - size) // max_len for r in real)))
+    for x, r in zip((src, tgt_in), real):
+        keep = x != pad_id
+        tokens, pos, lens = x[keep], torch.arange(x.size(1)).expand_as(x)[keep], keep.sum(1).tolist()
+        if size is not None:
+            n = size - r
+            tokens, pos = F.pad(tokens, (0, n), value=pad_id), torch.cat([pos, torch.arange(n) % max_len])
+            lens += [max_len] * (n // max_len) + [n % max_len] * (n % max_len > 0)
+            lens += [0] * (slots - 1 - len(lens))
+        cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).int()
+        out += [tokens[None], Packed(cu, pos, max_len or max(lens))]
+    return out[0], out[2], slice(0, real[1]), (out[1], out[3])

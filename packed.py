@@ -57,3 +57,37 @@ def pack(src, tgt_in, pad_id, size=None, max_len=None):
         cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).int()
         out += [tokens[None], Packed(cu, pos, max_len or max(lens))]
     return out[0], out[2], slice(0, real[1]), (out[1], out[3])
+
+
+class Body(torch.nn.Module):  # the model on packed rows of one shape: tensors in, every decoder state out
+    def __init__(self, model, max_len):
+        super().__init__()
+        self.model, self.max_len = model, max_len
+
+    def forward(self, src, tgt, cu_s, pos_s, cu_t, pos_t):
+        sides = Packed(cu_s, pos_s, self.max_len), Packed(cu_t, pos_t, self.max_len)
+        return self.model(src, tgt, slice(None), sides)
+
+
+class Graphed:
+    """A model's forward and backward on rows that pack filled to a fixed size, replayed as CUDA graphs, one
+    per shape, each captured at its first batch (make_graphed_callables; its warm-up runs compile first)."""
+
+    def __init__(self, model):
+        self.model, self.graphs = model, {}
+
+    def __call__(self, src, tgt, rows, sides):  # -> the decoder states at rows, as model(...) gives them
+        (s, t), inputs = sides, (src, tgt, sides[0].cu, sides[0].pos, sides[1].cu, sides[1].pos)
+        key = (src.size(1), len(s.cu), s.max_len)
+        if key not in self.graphs:
+            self.graphs[key] = torch.cuda.make_graphed_callables(Body(self.model, s.max_len), inputs)
+        return self.graphs[key](*inputs)[rows]
+
+
+def all_reduce_grads(model):
+    """DDP's average of the gradients where its hooks see no backward (graph replays): one all-reduce."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    torch.distributed.all_reduce(flat)
+    for g, f in zip(grads, flat.div_(torch.distributed.get_world_size()).split([g.numel() for g in grads])):
+        g.copy_(f.view_as(g))

@@ -105,7 +105,8 @@ def test_cache_matches_full_forward_on_cuda_in_bfloat16():
 @cuda
 @pytest.mark.parametrize('pack_kw', [{}, dict(size=80, max_len=16)])
 def test_packed_flash_attention_gives_the_padded_loss_and_gradients_on_cuda(pack_kw):
-    from test_model import packed_and_padded_grads, pad_batch
+    from test_model import pad_batch
+    from test_packed import packed_and_padded_grads
     m = tiny_model().cuda().train()
     src = batch(m.cfg).cuda()
     tgt_out = pad_batch([[5, 6, 7, 2], [8, 2], [3, 4, 5, 6, 7, 8, 9, 2], [4, 2], [9, 9, 2], [7, 2]]).cuda()
@@ -134,7 +135,8 @@ def test_bfloat16_training_on_cuda_fits_a_batch():
 
 
 @cuda
-@pytest.mark.parametrize('extra', [['--dtype=bfloat16', '--compile=True'], ['--dtype=float16']])
+@pytest.mark.parametrize('extra', [['--dtype=bfloat16', '--compile=True'], ['--dtype=float16'],
+                                   ['--dtype=bfloat16', '--compile=True', '--cuda_graphs=True']])
 def test_train_one_process_on_cuda_writes_a_loadable_checkpoint(data_dir, tmp_path, extra):
     out = tmp_path / 'run'
     res = train(['--device=cuda', '--max_steps=30', '--save_interval=15', '--bleu_interval=0'] + extra, out,
@@ -152,12 +154,13 @@ def test_train_one_process_on_cuda_writes_a_loadable_checkpoint(data_dir, tmp_pa
 
 
 @cuda
-def test_torchrun_with_nccl_runs_the_ddp_path_and_stops_at_max_minutes(data_dir, tmp_path):
+@pytest.mark.parametrize('extra', [[], ['--cuda_graphs=True']])  # graphs: packed.all_reduce_grads, not DDP
+def test_torchrun_with_nccl_runs_the_ddp_path_and_stops_at_max_minutes(data_dir, tmp_path, extra):
     out = tmp_path / 'ddp'
     torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1',
                 f'--master_port={free_port()}']
-    res = train(['--device=cuda', '--max_steps=1000000', '--max_minutes=0.1', '--save_interval=0'], out,
-                data_dir, launcher=torchrun)
+    res = train(['--device=cuda', '--max_steps=1000000', '--max_minutes=0.1', '--save_interval=0', *extra],
+                out, data_dir, launcher=torchrun)
     assert re.search(r'max_minutes=0.1 reached at step \d+', res.stdout), res.stdout[-2000:]
     assert 'device cuda:0' in res.stdout
     assert os.path.exists(out / 'ckpt.pt')

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 import model as M
-import packed as P
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -237,43 +236,6 @@ def test_chunked_loss_and_every_gradient_equal_the_plain_path_over_real_tokens(d
         torch.testing.assert_close(a, b, **tol, msg=name)
 
 
-
-def packed_and_padded_grads(m, src, tgt_out, **pack_kw):
-    """(loss, gradients) of one batch padded, then packed by packed.pack (pack_kw: size, max_len)."""
-    shifted = tgt_out[:, :-1].masked_fill(tgt_out[:, :-1] == EOS, PAD)
-    tgt_in = torch.cat([torch.full_like(src[:, :1], BOS), shifted], 1)
-    rows, targets = real_rows(tgt_out)
-    src_p, tgt_p, rows_p, sides = P.pack(src.cpu(), tgt_in.cpu(), PAD, **pack_kw)  # on the host
-    packed = tuple(side.to(src.device) for side in sides)
-    out = []
-    for x in (m(src, tgt_in, rows), m(src_p.to(src.device), tgt_p.to(src.device), rows_p, packed)):
-        loss, _ = M.label_smoothed_loss(x, m.embed.weight, targets)
-        out.append((loss, torch.autograd.grad(loss, list(m.parameters()))))
-    return out
-
-
-@pytest.mark.parametrize('pre_norm', [False, True])
-@pytest.mark.parametrize('pack_kw', [{}, dict(size=40, max_len=8)])
-def test_packed_rows_give_the_padded_loss_and_gradients(pre_norm, pack_kw):
-    # Sentences end to end attend within themselves alone; size pads both rows with sentences of PAD.
-    m = tiny(pre_norm).train()
-    src = pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS], [4, EOS]])
-    tgt_out = pad_batch([[5, 6, 7, EOS], [8, EOS], [3, 4, 5, 6, 7, 8, EOS]])
-    (want, want_g), (got, got_g) = packed_and_padded_grads(m, src, tgt_out, **pack_kw)
-    torch.testing.assert_close(got, want)
-    for (name, _), a, b in zip(m.named_parameters(), got_g, want_g):
-        torch.testing.assert_close(a, b, msg=name)
-
-
-def test_pack_lays_sentences_end_to_end_in_few_shapes():
-    src, tgt_in = pad_batch([[5, 6, EOS], [7, EOS]]), pad_batch([[BOS, 5, 6], [BOS, 8]])
-    s, t, rows, (ps, pt) = P.pack(src, tgt_in, PAD)
-    assert s.tolist() == [[5, 6, EOS, 7, EOS]] and t.tolist() == [[BOS, 5, 6, BOS, 8]] and rows == slice(0, 5)
-    assert ps.cu.tolist() == [0, 3, 5] and ps.pos.tolist() == [0, 1, 2, 0, 1] and ps.max_len == 3
-    s, t, rows, (ps, pt) = P.pack(src, tgt_in, PAD, size=12, max_len=4)  # 7 PADs: sentences of 4 and 3
-    assert s.shape == t.shape == (1, 12) and rows == slice(0, 5) and ps.max_len == pt.max_len == 4
-    assert ps.cu.tolist() == pt.cu.tolist() == [0, 3, 5, 9, 12, 12, 12, 12]  # 8 offsets: a power of two
-    assert ps.pos.tolist()[5:] == [0, 1, 2, 3, 0, 1, 2]
 
 def test_loss_chunks_are_projected_in_the_compute_dtype_without_a_cast_per_chunk():
     # Under bf16 autocast each chunk gets x and W already in bf16 (on an H200, casting W per chunk and the

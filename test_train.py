@@ -377,6 +377,7 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
         (['--data_dir=nowhere/wmt14_en_fr'], 'no prepared data in nowhere/wmt14_en_fr: prepare it'),
         ([f'--max_tokens={sizes.min() - 1}'], f'raise it to at least {sizes.min()}'),
         (['--max_len=8'], 'max_len=8'),
+        (['--cuda_graphs=True', '--device=cpu'], 'cuda_graphs needs a GPU'),
     ]
     errs = refused(*[(a, tmp_path / str(i), data_dir) for i, (a, _) in enumerate(cases)])
     for (_, message), err in zip(cases, errs):

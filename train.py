@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data_prep
 import model as M
+import packed as P
 from configurator import override
 
 _t_process = time.time()  # '_': not a setting
@@ -46,8 +47,7 @@ keep_last = 5                # weights-only ckpt_STEP.pt snapshots kept, for ave
 keep_state = 1               # full training states state_STEP.pt kept (weights + Adam moments), for resuming
 average_last = 5             # ckpt.pt = average of the newest N (section 6.1: 5 for base, 20 for big)
 # model (Table 3, base)
-n_enc_layers = 6
-n_dec_layers = 6
+n_enc_layers = n_dec_layers = 6  # N
 d_model = 512
 d_ff = 2048
 n_heads = 8
@@ -73,6 +73,7 @@ clip_grad = 0.0              # max gradient norm (0 = off; the paper does not cl
 device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'               # 'auto' (bf16 where native), 'bfloat16', 'float32', 'float16' (GPU, scaled)
 compile = False
+cuda_graphs = False          # GPU: rows packed to a fixed size, forward and backward as CUDA graphs
 checkpoint_activations = False  # backward recomputes each layer from its input: less memory, more compute
 seed = 1337
 max_bad_steps = 20           # consecutive non-finite updates before giving up
@@ -108,6 +109,8 @@ if device_type == 'cuda' and not torch.cuda.is_available():
     sys.exit(f"device={device!r} but torch sees no GPU (device='auto' picks one when there is)")
 if dtype == 'float16' and device_type == 'cpu':
     sys.exit("dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on a CPU")
+if cuda_graphs and (device_type != 'cuda' or update_freq > 1 or checkpoint_activations):
+    sys.exit("cuda_graphs needs a GPU, update_freq=1 and checkpoint_activations=False (packed.py)")
 if ddp and device_type == 'cuda':
     device = f"cuda:{os.environ['LOCAL_RANK']}"
     torch.cuda.set_device(device)
@@ -125,7 +128,8 @@ if device_type == 'cpu' and dtype == 'bfloat16':  # at sentence lengths the CPU 
 if device_type == 'cuda':  # cuDNN attention plans anew for each shape: bf16 ran 5-10x slower on an H100
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-autocast = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != 'float32')
+autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
+                          cache_enabled=not cuda_graphs)  # a graph casts the weights in its replays
 # out_dir: a new run's or the one being resumed, held by this run alone
 data_prep.make_writable(out_dir, 'out_dir')
 try:  # held until this process ends: a second run would mix its checkpoints into this one's
@@ -193,8 +197,7 @@ for split, data in (('training', train_data), ('validation', valid_data)):
         sys.exit(f"{data_dir} has {split} sentences over the model's max_len={model_cfg.max_len} tokens "
                  f"(with EOS): raise max_len, or leave them out (data_prep.py --max-len)")
 raw_model = M.Transformer(model_cfg).to(device)
-if device_type == 'cpu':
-    data_prep.cpu_dropout(raw_model)
+data_prep.cpu_dropout(raw_model) if device_type == 'cpu' else None  # a faster mask on CPUs
 # Fused Adam (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync.
 optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                              weight_decay=weight_decay, fused=True)
@@ -219,9 +222,13 @@ if init_from == 'resume':
         os.remove(f)
 del state
 
-def get_batch(data, ids):  # src, tgt_in, the rows of real target tokens, their targets; pinned: no GPU wait
-    return [(torch.from_numpy(x).pin_memory() if device_type == 'cuda' else torch.from_numpy(x))
-            .to(device, non_blocking=True) for x in data_prep.collate(data, ids, PAD, BOS, EOS)]
+def get_batch(data, ids, packed=False):  # src, tgt_in, the real target rows, their targets; pinned: no wait
+    batch = [torch.from_numpy(x) for x in data_prep.collate(data, ids, PAD, BOS, EOS)]
+    if packed:  # cuda_graphs: each side one row of a fixed size, and where its sentences lie (packed.py)
+        src, tgt_in, rows, sides = P.pack(batch[0], batch[1], PAD, max_tokens + graph_len, graph_len)
+        return [src, tgt_in, rows, batch[3], *sides]  # copied by the step, not by the prefetching thread
+    return [(x.pin_memory() if device_type == 'cuda' else x).to(device, non_blocking=True) for x in batch]
+graph_len = min(2 ** int(np.ceil(np.log2(data_prep.pair_sizes(train_data).max()))), model_cfg.max_len)
 
 def epoch_plan(epoch):  # the same on every rank: the seed and the epoch decide it
     plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
@@ -238,7 +245,7 @@ def updates(epoch, batch_idx, plan):
             epoch, batch_idx, plan = epoch + 1, 0, epoch_plan(epoch + 1)
         update, batch_idx = plan[batch_idx:batch_idx + n], batch_idx + n
         yield (epoch, batch_idx, sum(int(train_tgt_len[ids].sum()) for ids in update),
-               [get_batch(train_data, update[m * world + rank]) for m in range(update_freq)])
+               [get_batch(train_data, update[m * world + rank], cuda_graphs) for m in range(update_freq)])
 
 def prefetched(items):  # the next item is made by a background thread while this one's step runs
     with ThreadPoolExecutor(1) as pool:
@@ -259,8 +266,9 @@ for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations 
 for layer in (*raw_model.encoder, *raw_model.decoder) if compile else []:  # as bench.py measures it: per
     layer.compile(dynamic=True)  # layer (identical ones share one graph), batch shapes symbolic
 chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chunk  # the loss's chunks
-model = DDP(raw_model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None,  # the
-            broadcast_buffers=False, gradient_as_bucket_view=True) if ddp else raw_model  # pe: a constant
+model = DDP(raw_model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None,
+            broadcast_buffers=False, gradient_as_bucket_view=True) if ddp and not cuda_graphs else raw_model
+graphed = P.Graphed(raw_model) if cuda_graphs else None  # (DDP syncs no buffers: pe is a constant)
 
 def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
@@ -274,9 +282,7 @@ def get_lr(step, elapsed=0.0):
 
 def gather(obj):  # every rank's obj, in rank order
     out = [obj] * world
-    if ddp:
-        dist.all_gather_object(out, obj)
-    return out
+    return dist.all_gather_object(out, obj) or out if ddp else out
 
 @torch.no_grad()
 def validation_bleu():
@@ -365,11 +371,13 @@ while step < max_steps:
     for group in optimizer.param_groups:
         group['lr'] = lr_now
     try:
-        for micro, (src, tgt_in, rows, targets) in enumerate(micro_batches):
-            if ddp:  # all-reduce gradients only on the last micro-step
+        for micro, (src, tgt_in, rows, targets, *sides) in enumerate(micro_batches):
+            if ddp and not cuda_graphs:  # all-reduce gradients only on the last micro-step
                 model.require_backward_grad_sync = micro == update_freq - 1
-            with autocast:
-                x = model(src, tgt_in, rows)  # the decoder states of the real target tokens
+            if cuda_graphs:  # copied here: while a graph is captured, no other thread may use the GPU
+                src, tgt_in, targets, *sides = (x.to(device) for x in (src, tgt_in, targets, *sides))
+            with autocast:  # the decoder states of the real target tokens
+                x = graphed(src, tgt_in, rows, sides) if cuda_graphs else model(src, tgt_in, rows)
                 loss, nll = M.label_smoothed_loss(x, raw_model.embed.weight, targets, label_smoothing,
                                                   chunk_fn)
             # DDP averages gradients over ranks; scaling by world turns that average into the sum.
@@ -379,6 +387,7 @@ while step < max_steps:
     except torch.cuda.OutOfMemoryError:
         sys.exit(f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise update_freq "
                  f"to keep the same tokens per update, or recompute with checkpoint_activations=True")
+    P.all_reduce_grads(raw_model) if ddp and cuda_graphs else None  # DDP's hooks see no graph replay
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip_grad or math.inf)
     # A non-finite norm (all-reduced: every rank agrees) skips the update, as the fp16 grad scaler does.
@@ -417,16 +426,14 @@ while step < max_steps:
                             grad_norm=grad_norm.item(), tok_per_s=tokens_since / dt, elapsed_min=elapsed / 60,
                             eta_min=eta / 60, skipped=int(skipped.item())))  # skipped: non-finite gradients
         tokens_since = 0
-        for t in (loss_acc, nll_acc, worst_run, skipped):
-            t.zero_()
+        torch._foreach_zero_([loss_acc, nll_acc, worst_run, skipped])
     if step != max_steps and any(n > 0 and step % n == 0 for n in (eval_interval, bleu_interval)):
         evaluate()
     if (save_interval and step % save_interval == 0) or step == max_steps \
             or (save_minutes > 0 and clock - last_save > save_minutes * 60):
         checkpoint()
         last_save = clock
-    if step % log_interval == 0:
-        t_last = time.time()  # evaluation and saving do not count against tokens/s
+    t_last = time.time() if step % log_interval == 0 else t_last  # evaluation and saving: not in tokens/s
 
 # Section 6.1: the reported models average the last checkpoints, written at regular intervals.
 newest = data_prep.checkpoints(out_dir)[-average_last:]

@@ -72,28 +72,13 @@ def trainer(lib, name, compiled=True):
         layer.compile(dynamic=True)
     chunk_fn = torch.compile(lib.loss_chunk, dynamic=True) if compiled else lib.loss_chunk
     opt = torch.optim.Adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, fused=dev.type == 'cuda')
-    graphs = {}
+    graphed = P.Graphed(model)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == 'cuda', cache_enabled=False)
-
-    class Body(torch.nn.Module):  # the model on packed rows: tensors in, the decoder states out
-        def __init__(self, max_len):
-            super().__init__()
-            self.model, self.max_len = model, max_len
-
-        def forward(self, src, tgt, cu_s, pos_s, cu_t, pos_t):
-            return self.model(src, tgt, slice(None), (P.Packed(cu_s, pos_s, self.max_len),
-                                                      P.Packed(cu_t, pos_t, self.max_len)))
 
     def forward(src, tgt_in, rows, ps=None, pt=None):
         if ps is None:
             return model(src, tgt_in, rows)
-        if 'graphs' not in name:
-            return model(src, tgt_in, rows, (ps, pt))
-        key = (src.size(1), len(ps.cu), ps.max_len)
-        inputs = (src, tgt_in, ps.cu, ps.pos, pt.cu, pt.pos)
-        if key not in graphs:  # warms up (compiles) and captures forward and backward
-            graphs[key] = torch.cuda.make_graphed_callables(Body(ps.max_len), inputs)
-        return graphs[key](*inputs)[rows]
+        return graphed(src, tgt_in, rows, (ps, pt)) if 'graphs' in name else model(src, tgt_in, rows, (ps, pt))
 
     def steps(bs):
         for src, tgt_in, rows, targets, *packed in bs:
@@ -103,7 +88,7 @@ def trainer(lib, name, compiled=True):
             (loss / len(targets)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    steps.graphs = graphs
+    steps.graphs = graphed.graphs
     return steps
 
 

@@ -20,7 +20,8 @@ class Config:
     n_dec_layers: int = 6
     d_model: int = 512
     d_ff: int = 2048
-    n_heads: int = 8             # h; d_k = d_v = d_model / h
+    n_heads: int = 8             # h
+    d_head: int = 0              # d_k = d_v, each head's width (0: d_model / h); Table 3 rows (A), (B)
     dropout: float = 0.1         # P_drop: sub-layer outputs and embedding sums (5.4)
     attn_dropout: float = 0.0    # on attention weights; not in the paper, tensor2tensor used 0.1
     pre_norm: bool = False       # False = the paper's post-norm LayerNorm(x + Sublayer(x))
@@ -54,15 +55,15 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, cfg, cross=False):
         super().__init__()
         self.n_heads, self.cross, self.attn_dropout, d = cfg.n_heads, cross, cfg.attn_dropout, cfg.d_model
+        hd = cfg.n_heads * (cfg.d_head or d // cfg.n_heads)  # h * d_k: d_model unless d_head says otherwise
         if cross:
-            self.q_proj, self.kv_proj = nn.Linear(d, d), nn.Linear(d, 2 * d)
+            self.q_proj, self.kv_proj = nn.Linear(d, hd), nn.Linear(d, 2 * hd)
         else:
-            self.qkv_proj = nn.Linear(d, 3 * d)
-        self.out_proj = nn.Linear(d, d)
+            self.qkv_proj = nn.Linear(d, 3 * hd)
+        self.out_proj = nn.Linear(hd, d)  # W^O: h d_v -> d_model
 
     def heads(self, x):  # (B, T, h*d_k) -> (B, h, T, d_k)
-        B, T, C = x.shape
-        return x.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
+        return x.view(*x.shape[:2], self.n_heads, -1).transpose(1, 2)
 
     def forward(self, x, memory=None, mask=None, causal=False, cache=None):
         if self.cross:
@@ -73,7 +74,7 @@ class MultiHeadAttention(nn.Module):
                 if cache is not None:  # contiguous once, not strided views read every step
                     cache['k'], cache['v'] = k, v = k.contiguous(), v.contiguous()
             # A source's k beams, consecutive rows of x, fold into the query axis: K, V are never repeated.
-            q = self.heads(self.q_proj(x).view(k.size(0), -1, x.size(-1)))
+            q = self.heads(self.q_proj(x).view(k.size(0), -1, self.q_proj.out_features))
         else:
             q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
             if cache is not None:  # the KV cache: earlier positions' keys and values, in the beams' order
@@ -88,7 +89,7 @@ class MultiHeadAttention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         y = (packed_attention(q, k, v, *mask, causal, p) if isinstance(mask, tuple)  # (query, key) Packed
              else F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p))
-        return self.out_proj(y.transpose(1, 2).reshape(x.shape))
+        return self.out_proj(y.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
 
 class Packed(NamedTuple):
@@ -179,13 +180,12 @@ class Transformer(nn.Module):
     def reset_parameters(self):
         # As tensor2tensor: Xavier-uniform per matrix of the paper (a bound per block of the fused W^Q, W^K,
         # W^V), biases zero, embeddings N(0, d_model^-0.5): unit variance after the sqrt(d_model) of 3.4.
-        d = self.cfg.d_model
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                for w in m.weight.split(d, dim=0) if name.endswith(('qkv_proj', 'kv_proj')) else [m.weight]:
+                for w in m.weight.chunk(1 + name.endswith('kv_proj') + name.endswith('qkv_proj')):
                     nn.init.xavier_uniform_(w)
                 nn.init.zeros_(m.bias)
-        nn.init.normal_(self.embed.weight, mean=0.0, std=d ** -0.5)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
 
     def num_params(self):  # the shared embedding counted once; the positional table is a buffer
         return sum(p.numel() for p in self.parameters())

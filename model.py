@@ -26,6 +26,7 @@ class Config:
     attn_dropout: float = 0.0    # on attention weights; not in the paper, tensor2tensor used 0.1
     pre_norm: bool = False       # False = the paper's post-norm LayerNorm(x + Sublayer(x))
     max_len: int = 1024          # longest sequence the positional table covers
+    positions: str = 'sinusoidal'  # section 3.5, or 'learned': Table 3 row (E)
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -169,6 +170,8 @@ class Transformer(nn.Module):
         # Section 3.4: one matrix for both embeddings and the pre-softmax projection (a joint vocabulary).
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.register_buffer('pe', sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
+        if cfg.positions == 'learned':  # Table 3 row (E): a learned table in its place, indexed alike
+            self.pe = nn.Parameter(torch.randn_like(self.pe) * cfg.d_model ** -0.5)  # drawn as the embeddings
         self.dropout = nn.Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
@@ -187,16 +190,14 @@ class Transformer(nn.Module):
                 nn.init.zeros_(m.bias)
         nn.init.normal_(self.embed.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
 
-    def num_params(self):  # the shared embedding counted once; the positional table is a buffer
+    def num_params(self):  # the shared embedding counted once; the sinusoids are a buffer, learned ones count
         return sum(p.numel() for p in self.parameters())
 
     def embed_tokens(self, tokens, start=0):  # start: the first position, or each token's (packed rows)
-        T = tokens.size(1)
-        if torch.is_tensor(start):
-            return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start])
-        if start + T > self.cfg.max_len:
-            raise ValueError(f"sequence of length {start + T} exceeds max_len={self.cfg.max_len}")
-        return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start:start + T])
+        pe = self.pe[start] if torch.is_tensor(start) else self.pe[start:start + tokens.size(1)]
+        if pe.size(-2) < tokens.size(1):  # the slice ran past the end of the table
+            raise ValueError(f"positions up to {start + tokens.size(1)} exceed max_len={self.cfg.max_len}")
+        return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + pe)
 
     def encode(self, src, packed=None):
         """src (B, S) -> memory (B, S, d_model) and the key-padding mask (B, 1, 1, S), True = attend."""

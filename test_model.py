@@ -23,9 +23,10 @@ def tiny(pre_norm=False, vocab=24, **kw):
     return M.Transformer(cfg).eval()
 
 
-# Table 3's variations of tiny (d_model 32, h 4, d_k = d_v = 8): d_k = d_v = d_head apart from d_model / h,
-# as row (A) (h 8 x d_k 4 = d_model) and row (B) (d_k 2 at h 4: h d_k < d_model).
-VARIATIONS = {'A_h8_dk4': dict(n_heads=8, d_head=4), 'B_dk2': dict(d_head=2)}
+# Table 3's variations of tiny (d_model 32, h 4, d_k = d_v = 8): row (E) learned positions; d_k = d_v = d_head
+# apart from d_model / h, as row (A) (h 8 x d_k 4 = d_model) and row (B) (d_k 2 at h 4: h d_k < d_model).
+VARIATIONS = {'E_learned': dict(positions='learned'), 'A_h8_dk4': dict(n_heads=8, d_head=4),
+              'B_dk2': dict(d_head=2)}
 
 
 def pad_batch(seqs):
@@ -160,6 +161,19 @@ def test_positional_encoding_matches_formula_for_odd_d_model():
             assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_learned_positions_are_a_trained_table_in_place_of_the_sinusoids():
+    # Row (E): a parameter, saved, drawn as the embeddings are, indexed alike (a slice, or packed positions).
+    fixed, learned = tiny(), tiny(**VARIATIONS['E_learned'])
+    assert 'pe' not in fixed.state_dict() and 'pe' in dict(learned.named_parameters())
+    assert learned.pe.shape == fixed.pe.shape == (64, 32)
+    assert learned.pe.std().item() == pytest.approx(32 ** -0.5, rel=0.1)
+    learned(torch.tensor([[5, EOS]]), torch.tensor([[BOS, 6]])).sum().backward()
+    assert (learned.pe.grad[:2] != 0).all() and (learned.pe.grad[2:] == 0).all()  # the positions used
+    for m in (fixed, learned):
+        with pytest.raises(ValueError, match='max_len=64'):
+            m.encode(torch.full((1, 65), 5))
+
+
 def test_three_embeddings_are_one_tensor():
     m = tiny()
     tensors = [p for n, p in m.named_parameters() if p.shape == m.embed.weight.shape]
@@ -193,7 +207,7 @@ def test_parameter_counts_match_paper(name, paper):
 
 @pytest.mark.parametrize('row,kw,h_dk', [
     ('A', dict(n_heads=1, d_head=512), 512), ('A', dict(n_heads=16, d_head=32), 512),
-    ('B', dict(d_head=16), 8 * 16), ('B', dict(d_head=32), 8 * 32)])
+    ('B', dict(d_head=16), 8 * 16), ('B', dict(d_head=32), 8 * 32), ('E', dict(positions='learned'), 512)])
 def test_parameter_counts_of_table_3_variations_by_hand(row, kw, h_dk):
     # Row (B) here shrinks d_v with d_k (one d_head): 48.9M and 53.6M. The paper's 58M and 60M (65M base) are
     # what shrinking d_k alone removes: its (B) kept d_v 64.
@@ -267,8 +281,9 @@ def packed_and_padded_grads(m, src, tgt_out, **pack_kw):
     return out
 
 
-@pytest.mark.parametrize('pre_norm,kw', [(False, {}), (True, {}), (True, VARIATIONS['B_dk2'])],
-                         ids=['post_norm', 'pre_norm', 'dk2'])
+@pytest.mark.parametrize('pre_norm,kw', [(False, {}), (True, {}), (True, {**VARIATIONS['E_learned'],
+                                                                       **VARIATIONS['B_dk2']})],
+                         ids=['post_norm', 'pre_norm', 'learned_dk2'])
 @pytest.mark.parametrize('pack_kw', [{}, dict(size=40, max_len=8)])
 def test_packed_rows_give_the_padded_loss_and_gradients(pre_norm, kw, pack_kw):
     # Sentences end to end attend within themselves alone; size pads both rows with sentences of PAD.

@@ -50,11 +50,11 @@ n_enc_layers = 6
 n_dec_layers = 6
 d_model = 512
 d_ff = 2048
-n_heads = 8
+n_heads, d_head = 8, 0       # h, and d_k = d_v (0: d_model / h; Table 3 rows A, B: other widths)
 dropout = 0.1
 attn_dropout = 0.0
 pre_norm = False
-max_len = 1024
+max_len, positions = 1024, 'sinusoidal'  # the table's length; 'learned': Table 3 row (E)
 # optimisation (section 5.3, 5.4)
 max_tokens = 4096            # padded source or target tokens per GPU per micro-step
 update_freq = 1              # micro-steps accumulated per update: N GPUs ~ 1 GPU with update_freq N
@@ -86,13 +86,14 @@ for keys, ok, what in [  # each setting's range, checked before any work
          'n_enc_layers n_dec_layers d_model d_ff n_heads max_len max_bad_steps', lambda v: v >= 1, '>= 1'),
         ('dropout attn_dropout label_smoothing beta1 beta2', lambda v: 0 <= v < 1, 'in [0, 1)'),
         ('lr lr_scale adam_eps weight_decay clip_grad max_minutes save_minutes eval_interval save_interval '
-         'bleu_lenpen seed', lambda v: v >= 0, '>= 0'),
+         'bleu_lenpen seed d_head', lambda v: v >= 0, '>= 0'),
         ('bleu_interval', lambda v: v >= -1, '>= -1 (-1: never)'),
         ('cooldown', lambda v: 0 <= v <= 1, 'in [0, 1]'),
         ('schedule', lambda v: v in ('noam', 'inverse_sqrt'), "'noam' or 'inverse_sqrt'"),
+        ('positions', lambda v: v in ('sinusoidal', 'learned'), "'sinusoidal' or 'learned'"),
         ('dtype', lambda v: v in ('auto', 'float32', 'bfloat16', 'float16'), 'auto/float32/bfloat16/float16'),
         ('device', lambda v: re.fullmatch(r'auto|cpu|cuda(:\d+)?', v), 'auto, cpu, cuda or cuda:N'),
-        ('n_heads', lambda v: d_model % v == 0, 'a divisor of d_model')]:
+        ('n_heads', lambda v: d_head or d_model % v == 0, 'a divisor of d_model, or d_head set')]:
     for key in keys.split():
         if not ok(config[key]):
             sys.exit(f"{key} must be {what}, got {config[key]!r}")
@@ -109,8 +110,7 @@ if device_type == 'cuda' and not torch.cuda.is_available():
 if dtype == 'float16' and device_type == 'cpu':
     sys.exit("dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on a CPU")
 if ddp and device_type == 'cuda':
-    device = f"cuda:{os.environ['LOCAL_RANK']}"
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(device := f"cuda:{os.environ['LOCAL_RANK']}")
 if ddp:  # device_id: NCCL connects each rank to its own GPU at once
     dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', timeout=datetime.timedelta(
         minutes=ddp_timeout_minutes), device_id=torch.device(device) if device_type == 'cuda' else None)
@@ -169,8 +169,8 @@ else:
 if init_from == 'resume':  # the run goes on as it began: architecture, optimizer, batch plan and data
     fixed = ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens'] + [  # and the batch plan
         f.name for f in fields(M.Config) if f.name in config and (not fine_tuned_from or 'drop' in f.name)]
-    changed = [f"{k}={config[k]!r} (the run's: {state['config'][k]!r})" for k in fixed
-               if config[k] != state['config'][k]]
+    changed = [f"{k}={config[k]!r} (the run's: {was!r})" for k in fixed  # newer than the state: its default
+               if config[k] != (was := state['config'].get(k, getattr(M.Config, k, None)))]
     if state['train_split'] != meta['splits']['train']:
         changed.append(f"data_dir={data_dir!r} (other training pairs than the run's {state['data_dir']!r})")
     if changed:

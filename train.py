@@ -266,8 +266,9 @@ for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations 
 for layer in (*raw_model.encoder, *raw_model.decoder) if compile else []:  # as bench.py measures it: per
     layer.compile(dynamic=True)  # layer (identical ones share one graph), batch shapes symbolic
 chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chunk  # the loss's chunks
-model = DDP(raw_model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None,  # the
-            broadcast_buffers=False, gradient_as_bucket_view=True) if ddp else raw_model  # pe: a constant
+model = DDP(raw_model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None,
+            gradient_as_bucket_view=True, **{'forward_sync_buffers' if torch.__version__ >= (2, 13) else
+            'broadcast_buffers': False}) if ddp else raw_model  # the sinusoids: constant, not synced per step
 
 def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
@@ -432,8 +433,7 @@ while step < max_steps:
             or (save_minutes > 0 and clock - last_save > save_minutes * 60):
         checkpoint()
         last_save = clock
-    if step % log_interval == 0:
-        t_last = time.time()  # evaluation and saving do not count against tokens/s
+    t_last = time.time() if step % log_interval == 0 else t_last  # evaluation and saving: not in tokens/s
 
 # Section 6.1: the reported models average the last checkpoints, written at regular intervals.
 newest = data_prep.checkpoints(out_dir)[-average_last:]

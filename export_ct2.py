@@ -54,7 +54,7 @@ def set_norm(spec, norm):
 
 def set_inputs(spec, model):
     # CTranslate2 generates its sinusoids as [sin | cos] halves from position 1; ours interleave sin and
-    # cos from position 0 (section 3.5), so the table goes in as explicit encodings.
+    # cos from position 0 (section 3.5), so the table goes in as explicit encodings, as a learned one does.
     emb = spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings
     emb.weight = array(model.embed.weight)
     spec.scale_embeddings = True  # x sqrt(d_model), section 3.4
@@ -63,10 +63,12 @@ def set_inputs(spec, model):
 
 def build_spec(model):
     cfg = model.cfg
-    # Post-norm: from_config then has no final LayerNorm, just as our enc_norm/dec_norm are Identity.
-    spec = transformer_spec.TransformerSpec.from_config(
-        (cfg.n_enc_layers, cfg.n_dec_layers), cfg.n_heads, pre_norm=cfg.pre_norm,
-        activation=common_spec.Activation.RELU)
+    # As from_config builds it (which takes no head_dim): post-norm has no final LayerNorm, just as our
+    # enc_norm/dec_norm are Identity; d_head, where set, is CTranslate2's head_dim (Table 3 rows A, B).
+    kw = dict(pre_norm=cfg.pre_norm, activation=common_spec.Activation.RELU, head_dim=cfg.d_head or None)
+    spec = transformer_spec.TransformerSpec(
+        transformer_spec.TransformerEncoderSpec(cfg.n_enc_layers, cfg.n_heads, **kw),
+        transformer_spec.TransformerDecoderSpec(cfg.n_dec_layers, cfg.n_heads, **kw))
     enc, dec = spec.encoder, spec.decoder
     set_inputs(enc, model)
     set_inputs(dec, model)

@@ -19,11 +19,13 @@ class Config:
     n_dec_layers: int = 6
     d_model: int = 512
     d_ff: int = 2048
-    n_heads: int = 8             # h; d_k = d_v = d_model / h
+    n_heads: int = 8             # h
+    d_head: int = 0              # d_k = d_v, each head's width (0: d_model / h); Table 3 rows (A), (B)
     dropout: float = 0.1         # P_drop: sub-layer outputs and embedding sums (5.4)
     attn_dropout: float = 0.0    # on attention weights; not in the paper, tensor2tensor used 0.1
     pre_norm: bool = False       # False = the paper's post-norm LayerNorm(x + Sublayer(x))
     max_len: int = 1024          # longest sequence the positional table covers
+    positions: str = 'sinusoidal'  # section 3.5, or 'learned': Table 3 row (E)
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
@@ -53,15 +55,15 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, cfg, cross=False):
         super().__init__()
         self.n_heads, self.cross, self.attn_dropout, d = cfg.n_heads, cross, cfg.attn_dropout, cfg.d_model
+        hd = cfg.n_heads * (cfg.d_head or d // cfg.n_heads)  # h * d_k: d_model unless d_head says otherwise
         if cross:
-            self.q_proj, self.kv_proj = nn.Linear(d, d), nn.Linear(d, 2 * d)
+            self.q_proj, self.kv_proj = nn.Linear(d, hd), nn.Linear(d, 2 * hd)
         else:
-            self.qkv_proj = nn.Linear(d, 3 * d)
-        self.out_proj = nn.Linear(d, d)
+            self.qkv_proj = nn.Linear(d, 3 * hd)
+        self.out_proj = nn.Linear(hd, d)  # W^O: h d_v -> d_model
 
     def heads(self, x):  # (B, T, h*d_k) -> (B, h, T, d_k)
-        B, T, C = x.shape
-        return x.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
+        return x.view(*x.shape[:2], self.n_heads, -1).transpose(1, 2)
 
     def forward(self, x, memory=None, mask=None, causal=False, cache=None):
         if self.cross:
@@ -72,7 +74,7 @@ class MultiHeadAttention(nn.Module):
                 if cache is not None:  # contiguous once, not strided views read every step
                     cache['k'], cache['v'] = k, v = k.contiguous(), v.contiguous()
             # A source's k beams, consecutive rows of x, fold into the query axis: K, V are never repeated.
-            q = self.heads(self.q_proj(x).view(k.size(0), -1, x.size(-1)))
+            q = self.heads(self.q_proj(x).view(k.size(0), -1, self.q_proj.out_features))
         else:
             q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
             if cache is not None:  # the KV cache: earlier positions' keys and values, in the beams' order
@@ -87,7 +89,7 @@ class MultiHeadAttention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         y = (mask[0](q, k, v, *mask[1:], causal, p) if isinstance(mask, tuple)  # packed.py's (fn, q, k rows)
              else F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p))
-        return self.out_proj(y.transpose(1, 2).reshape(x.shape))
+        return self.out_proj(y.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
 
 class FeedForward(nn.Module):
@@ -142,6 +144,8 @@ class Transformer(nn.Module):
         # Section 3.4: one matrix for both embeddings and the pre-softmax projection (a joint vocabulary).
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.register_buffer('pe', sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
+        if cfg.positions == 'learned':  # Table 3 row (E): a learned table in its place, indexed alike
+            self.pe = nn.Parameter(torch.randn_like(self.pe) * cfg.d_model ** -0.5)  # drawn as the embeddings
         self.dropout = nn.Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
@@ -153,40 +157,36 @@ class Transformer(nn.Module):
     def reset_parameters(self):
         # As tensor2tensor: Xavier-uniform per matrix of the paper (a bound per block of the fused W^Q, W^K,
         # W^V), biases zero, embeddings N(0, d_model^-0.5): unit variance after the sqrt(d_model) of 3.4.
-        d = self.cfg.d_model
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                for w in m.weight.split(d, dim=0) if name.endswith(('qkv_proj', 'kv_proj')) else [m.weight]:
+                for w in m.weight.chunk(1 + name.endswith('kv_proj') + name.endswith('qkv_proj')):
                     nn.init.xavier_uniform_(w)
                 nn.init.zeros_(m.bias)
-        nn.init.normal_(self.embed.weight, mean=0.0, std=d ** -0.5)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
 
-    def num_params(self):  # the shared embedding counted once; the positional table is a buffer
+    def num_params(self):  # the shared embedding counted once; the sinusoids are a buffer, learned ones count
         return sum(p.numel() for p in self.parameters())
 
     def embed_tokens(self, tokens, start=0):  # start: the first position, or each token's (packed rows)
-        T = tokens.size(1)
-        if torch.is_tensor(start):
-            return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start])
-        if start + T > self.cfg.max_len:
-            raise ValueError(f"sequence of length {start + T} exceeds max_len={self.cfg.max_len}")
-        return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + self.pe[start:start + T])
+        pe = self.pe[start] if torch.is_tensor(start) else self.pe[start:start + tokens.size(1)]
+        if pe.size(-2) < tokens.size(1):  # the slice ran past the end of the table
+            raise ValueError(f"positions up to {start + tokens.size(1)} exceed max_len={self.cfg.max_len}")
+        return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + pe)
 
-    def encode(self, src, packed=None):
+    def encode(self, src, src_mask=None):  # src_mask given: packed rows' (packed.py)
         """src (B, S) -> memory (B, S, d_model) and the key-padding mask (B, 1, 1, S), True = attend."""
-        src_mask = (packed.attend, packed, packed) if packed else (src != self.cfg.pad_id)[:, None, None, :]
-        x = self.embed_tokens(src, 0 if packed is None else packed.pos)
+        src_mask = (src != self.cfg.pad_id)[:, None, None, :] if src_mask is None else src_mask
+        x = self.embed_tokens(src, src_mask[1].pos if isinstance(src_mask, tuple) else 0)
         for layer in self.encoder:
             x = layer(x, src_mask)
         return self.enc_norm(x), src_mask
 
-    def decode(self, tgt, memory, src_mask, cache=None, packed=None):
+    def decode(self, tgt, memory, src_mask, cache=None, tgt_mask=None):  # tgt_mask: packed rows' alone
         """tgt (B, T) -> states (B, T, d_model); memory: a row per k beams; cached: only new positions."""
         start = 0 if cache is None or 'k' not in cache[0]['self'] else cache[0]['self']['k'].size(2)
-        x = self.embed_tokens(tgt, start if packed is None else packed.pos)
+        x = self.embed_tokens(tgt, start if tgt_mask is None else tgt_mask[1].pos)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, src_mask, None if cache is None else cache[i],
-                      packed and (packed.attend, packed, packed))
+            x = layer(x, memory, src_mask, None if cache is None else cache[i], tgt_mask)
         return self.dec_norm(x)
 
     def output(self, x):  # section 3.4: the pre-softmax linear transformation is the embedding matrix
@@ -197,9 +197,9 @@ class Transformer(nn.Module):
         packed: the (source, target) rows of sentences that packed.pack laid end to end (B = 1)."""
         if packed is None:
             x = self.decode(tgt, *self.encode(src))
-        else:  # attention within each sentence (packed.py); across, target queries and source keys
-            s, t = packed
-            x = self.decode(tgt, self.encode(src, s)[0], (t.attend, t, s), packed=t)
+        else:  # packed.py: attention within each sentence; across, target queries and source keys
+            (s, t), f = packed, packed[0].attend
+            x = self.decode(tgt, self.encode(src, (f, s, s))[0], (f, t, s), tgt_mask=(f, t, t))
         return self.output(x) if rows is None else x.flatten(0, 1)[rows]
 
     def new_cache(self):
@@ -208,8 +208,7 @@ class Transformer(nn.Module):
 
 def extend(past, new, order=None):
     """Cached keys or values (rows, h, T, d_k) in the rows' order, then the new step's, in one copy."""
-    T = past.size(2)
-    out = new.new_empty(new.size(0), new.size(1), T + new.size(2), new.size(3))
+    out = new.new_empty(new.size(0), new.size(1), (T := past.size(2)) + new.size(2), new.size(3))
     if order is not None and not torch.compiler.is_compiling():
         torch.index_select(past, 0, order, out=out[:, :, :T])
     else:  # dynamo cannot trace a strided out=; compiled, the gather fuses into this copy

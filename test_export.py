@@ -35,11 +35,14 @@ def toy(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize('pre_norm', [True, False], ids=['pre_norm', 'post_norm'])
-def test_export_scores_each_token_as_model_py(toy, tmp_path, pre_norm):
+# Table 3: (E) learned positions, (A) h 8 x d_k 8 = d_model 64, (B) d_k 4 at h 4 (CTranslate2's head_dim).
+@pytest.mark.parametrize('kw', [dict(pre_norm=True), dict(pre_norm=False), dict(positions='learned'),
+                                dict(n_heads=8, d_head=8), dict(d_head=4, pre_norm=False)],
+                         ids=['pre_norm', 'post_norm', 'E_learned', 'A_h8_dk8', 'B_dk4_post_norm'])
+def test_export_scores_each_token_as_model_py(toy, tmp_path, kw):
     # An untrained model: the log-probabilities of given targets check every weight, without a search.
     torch.manual_seed(1)
-    model = M.Transformer(dataclasses.replace(toy['model'].cfg, pre_norm=pre_norm)).eval()
+    model = M.Transformer(dataclasses.replace(toy['model'].cfg, **kw)).eval()
     E.export(model, toy['d'], str(tmp_path / 'ct2'))
     ct2, enc = T.load_ct2(str(tmp_path / 'ct2'))
     cfg, rng = model.cfg, random.Random(0)
@@ -93,6 +96,19 @@ def test_float32_export_decodes_as_model_py(toy):
     assert [[t for _, t in a] for a in theirs] == [[t for _, t in a] for a in ours] == [['']] * len(lines)
     assert [s for a in theirs for s, _ in a] == pytest.approx([s for a in ours for s, _ in a], abs=5e-3)
     assert all(s < 0 for a in ours for s, _ in a)
+
+
+def test_an_export_of_learned_positions_and_d_head_decodes_as_model_py(toy, tmp_path):
+    # The reversal model trained with rows (E) and (B) at once: learned positions, h 2 x d_k 16 < d_model 64.
+    model, d, enc, cfg = train_reversal(pre_norm=True, positions='learned', n_heads=2, d_head=16)
+    torch.save(dict(model=model.state_dict(), model_cfg=dataclasses.asdict(cfg), tokenizer=d, step=250),
+               tmp_path / 'ckpt.pt')
+    E.main(['--ckpt', str(tmp_path / 'ckpt.pt'), '--out', str(tmp_path / 'ct2')])
+    ct2, _ = T.load_ct2(str(tmp_path / 'ct2'))
+    assert ct2.cfg == model.cfg and model.cfg.positions == 'learned'
+    ours, theirs = (list(T.translate_lines(m, enc, toy['lines'], greedy=True)) for m in (model, ct2))
+    assert sum(h == reverse(s) for h, s in zip(ours, toy['lines'])) >= 0.8 * len(ours)  # learnt
+    assert theirs == ours
 
 
 def test_an_export_never_generates_ids_past_the_tokenizers(toy, tmp_path):

@@ -14,18 +14,19 @@ PAD, BOS, EOS = 0, 1, 2
 def tiny(pre_norm=False, vocab=24, **kw):
     torch.manual_seed(0)
     cfg = M.Config(
-        vocab_size=vocab,
-        n_enc_layers=2,
-        n_dec_layers=2,
-        d_model=32,
-        d_ff=64,
-        n_heads=4,
-        dropout=0.0,
-        pre_norm=pre_norm,
-        max_len=64,
-        **kw,
+        **{
+            **dict(vocab_size=vocab, n_enc_layers=2, n_dec_layers=2, d_model=32, d_ff=64, n_heads=4),
+            **dict(dropout=0.0, pre_norm=pre_norm, max_len=64),
+            **kw,
+        }
     )
     return M.Transformer(cfg).eval()
+
+
+# Table 3's variations of tiny (d_model 32, h 4, d_k = d_v = 8): row (E) learned positions; d_k = d_v = d_head
+# apart from d_model / h, as row (A) (h 8 x d_k 4 = d_model) and row (B) (d_k 2 at h 4: h d_k < d_model).
+VARIATIONS = {'E_learned': dict(positions='learned'), 'A_h8_dk4': dict(n_heads=8, d_head=4),
+              'B_dk2': dict(d_head=2)}
 
 
 def pad_batch(seqs):
@@ -87,9 +88,10 @@ def test_decoder_is_causal():
     assert not torch.allclose(a[:, 5:], b[:, 5:])
 
 
-@pytest.mark.parametrize('pre_norm', [False, True])
-def test_cache_matches_full_forward(pre_norm):
-    m = tiny(pre_norm)
+@pytest.mark.parametrize('pre_norm,kw', [(False, {}), (True, {}), *((True, v) for v in VARIATIONS.values())],
+                         ids=['post_norm', 'pre_norm', *VARIATIONS])
+def test_cache_matches_full_forward(pre_norm, kw):
+    m = tiny(pre_norm, **kw)
     src = pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]])
     tgt = torch.randint(3, 24, (2, 9))
     full = m(src, tgt)
@@ -100,9 +102,10 @@ def test_cache_matches_full_forward(pre_norm):
         torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
 
 
-def test_beams_share_one_copy_of_the_source():
+@pytest.mark.parametrize('kw', [{}, *VARIATIONS.values()], ids=['base', *VARIATIONS])
+def test_beams_share_one_copy_of_the_source(kw):
     # Beam search passes one memory row per sentence for its k consecutive decoder rows.
-    m, k = tiny(), 3
+    m, k = tiny(**kw), 3
     memory, src_mask = m.encode(pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS]]))
     tgt = torch.randint(3, 24, (2 * k, 6))
     repeated = m.decode(tgt, memory.repeat_interleave(k, 0), src_mask.repeat_interleave(k, 0))
@@ -158,6 +161,19 @@ def test_positional_encoding_matches_formula_for_odd_d_model():
             assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
+def test_learned_positions_are_a_trained_table_in_place_of_the_sinusoids():
+    # Row (E): a parameter, saved, drawn as the embeddings are, indexed alike (a slice, or packed positions).
+    fixed, learned = tiny(), tiny(**VARIATIONS['E_learned'])
+    assert 'pe' not in fixed.state_dict() and 'pe' in dict(learned.named_parameters())
+    assert learned.pe.shape == fixed.pe.shape == (64, 32)
+    assert learned.pe.std().item() == pytest.approx(32 ** -0.5, rel=0.1)
+    learned(torch.tensor([[5, EOS]]), torch.tensor([[BOS, 6]])).sum().backward()
+    assert (learned.pe.grad[:2] != 0).all() and (learned.pe.grad[2:] == 0).all()  # the positions used
+    for m in (fixed, learned):
+        with pytest.raises(ValueError, match='max_len=64'):
+            m.encode(torch.full((1, 65), 5))
+
+
 def test_three_embeddings_are_one_tensor():
     m = tiny()
     tensors = [p for n, p in m.named_parameters() if p.shape == m.embed.weight.shape]
@@ -171,10 +187,11 @@ def test_three_embeddings_are_one_tensor():
     assert (after - before)[0, 0, 7].abs() > 1e-3
 
 
-def analytic_params(V, d, ff, N):
-    attn = 4 * d * d + 4 * d
+def analytic_params(V, d, ff, N, hd=None, learned_positions=0):
+    hd = hd or d  # h * d_k = h * d_v
+    attn = 3 * (d * hd + hd) + hd * d + d  # W^Q, W^K, W^V: d_model -> h d_k; W^O: h d_v -> d_model
     ffn = 2 * d * ff + ff + d
-    return V * d + N * (attn + ffn + 2 * 2 * d) + N * (2 * attn + ffn + 3 * 2 * d)
+    return V * d + N * (attn + ffn + 2 * 2 * d) + N * (2 * attn + ffn + 3 * 2 * d) + learned_positions * d
 
 
 @pytest.mark.parametrize('name,paper', [('base', 65e6), ('big', 213e6)])
@@ -186,6 +203,19 @@ def test_parameter_counts_match_paper(name, paper):
     print(f"{name}: {n / 1e6:.2f}M parameters (paper: {paper / 1e6:.0f}M)")
     assert n == expected
     assert abs(n - paper) / paper < 0.05
+
+
+@pytest.mark.parametrize('row,kw,h_dk', [
+    ('A', dict(n_heads=1, d_head=512), 512), ('A', dict(n_heads=16, d_head=32), 512),
+    ('B', dict(d_head=16), 8 * 16), ('B', dict(d_head=32), 8 * 32), ('E', dict(positions='learned'), 512)])
+def test_parameter_counts_of_table_3_variations_by_hand(row, kw, h_dk):
+    # Row (B) here shrinks d_v with d_k (one d_head): 48.9M and 53.6M. The paper's 58M and 60M (65M base) are
+    # what shrinking d_k alone removes: its (B) kept d_v 64.
+    cfg = M.Config(**{**M.PRESETS['base'], **kw}, vocab_size=37000)
+    with torch.device('meta'):
+        n = M.Transformer(cfg).num_params()
+    print(f"({row}) {kw}: {n / 1e6:.2f}M parameters")
+    assert n == analytic_params(37000, 512, 2048, 6, h_dk, cfg.max_len if row == 'E' else 0)
 
 
 def test_num_params_counts_tied_tensor_once():
@@ -270,19 +300,21 @@ def test_the_loss_under_no_grad_computes_no_gradients():
     assert flops == [2 * 6 * 8 * 40, 3 * 2 * 6 * 8 * 40]  # the logits; with grad, d/dx and d/dW too
 
 
-def test_init_is_xavier_per_matrix_of_the_paper():
-    # Q, K and V each Xavier as their own d x d matrix; the FFN and output projections plain Xavier.
+@pytest.mark.parametrize('d_head', [0, 4])
+def test_init_is_xavier_per_matrix_of_the_paper(d_head):
+    # Q, K and V each Xavier as their own d x h d_k matrix; the FFN and output projections plain Xavier.
     torch.manual_seed(0)
-    d, ff = 64, 512
-    m = M.Transformer(M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=d, d_ff=ff, n_heads=4))
+    d, ff, hd = 64, 512, 4 * (d_head or 16)
+    m = M.Transformer(M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=d, d_ff=ff, n_heads=4,
+                               d_head=d_head))
     layer = m.decoder[0]
     for w, fan_sum in [
         (layer.ffn.w1.weight, d + ff),
         (layer.ffn.w2.weight, d + ff),
-        (layer.self_attn.out_proj.weight, 2 * d),
-        (layer.cross_attn.q_proj.weight, 2 * d),
-        *[(w, 2 * d) for w in layer.self_attn.qkv_proj.weight.split(d)],
-        *[(w, 2 * d) for w in layer.cross_attn.kv_proj.weight.split(d)],
+        (layer.self_attn.out_proj.weight, d + hd),
+        (layer.cross_attn.q_proj.weight, d + hd),
+        *[(w, d + hd) for w in layer.self_attn.qkv_proj.weight.split(hd)],
+        *[(w, d + hd) for w in layer.cross_attn.kv_proj.weight.split(hd)],
     ]:
         bound = (6 / fan_sum) ** 0.5
         assert 0.95 * bound < w.abs().max().item() <= bound

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 import data_prep
 import model as M
 import packed as P
-from test_model import BOS, EOS, PAD, pad_batch, real_rows, tiny
+from test_model import BOS, EOS, PAD, VARIATIONS, pad_batch, real_rows, tiny
 from test_train import load_function, toy_corpus
 
 
@@ -28,11 +28,13 @@ def packed_and_padded_grads(m, src, tgt_out, **pack_kw):
     return out
 
 
-@pytest.mark.parametrize('pre_norm', [False, True])
+@pytest.mark.parametrize('pre_norm,kw', [(False, {}), (True, {}), (True, {**VARIATIONS['E_learned'],
+                                                                       **VARIATIONS['B_dk2']})],
+                         ids=['post_norm', 'pre_norm', 'learned_dk2'])
 @pytest.mark.parametrize('pack_kw', [{}, dict(size=40, max_len=8)])
-def test_packed_rows_give_the_padded_loss_and_gradients(pre_norm, pack_kw):
+def test_packed_rows_give_the_padded_loss_and_gradients(pre_norm, kw, pack_kw):
     # Sentences end to end attend within themselves alone; size pads both rows with sentences of PAD.
-    m = tiny(pre_norm).train()
+    m = tiny(pre_norm, **kw).train()
     src = pad_batch([[5, 6, 7, 8, EOS], [9, 10, EOS], [4, EOS]])
     tgt_out = pad_batch([[5, 6, 7, EOS], [8, EOS], [3, 4, 5, 6, 7, 8, EOS]])
     (want, want_g), (got, got_g) = packed_and_padded_grads(m, src, tgt_out, **pack_kw)

@@ -195,6 +195,10 @@ def test_resume_is_exact(run, data_dir, tmp_path):
         os.remove(out / f)
     # The state of step 3 as the run wrote it: a run of 3 steps writes the same state.
     train(['--max_steps=3', '--save_interval=3', '--dropout=0.1', '--overwrite=True'], out, data_dir)
+    state = torch.load(out / 'state_0000003.pt', weights_only=False)
+    for key in ('positions', 'd_head'):  # as a state saved before these settings existed
+        del state['config'][key], state['model_cfg'][key]
+    torch.save(state, out / 'state_0000003.pt')
     (out / 'ckpt_0000003.pt').unlink()  # killed after the state, before its snapshot: the resume writes it
     train(
         ['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--init_from=resume', '--bleu_interval=0'],
@@ -228,7 +232,7 @@ def test_ddp_two_processes_equal_one_process_with_update_freq_2(data_dir, tmp_pa
     # Validation is split across the ranks: its loss and BLEU must still be those of one process.
     common = ['--max_steps=4', '--dropout=0.0', '--save_interval=4', '--bleu_interval=0']
     train(common + ['--update_freq=2'], tmp_path / 'one', data_dir)
-    train(common, tmp_path / 'two', data_dir, nproc=2)
+    assert 'Warning' not in train(common, tmp_path / 'two', data_dir, nproc=2).stderr  # nor DDP's, per rank
     a, b = params(tmp_path / 'one', 'ckpt_0000004.pt'), params(tmp_path / 'two', 'ckpt_0000004.pt')
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
@@ -252,6 +256,26 @@ def test_two_process_resume_is_exact_and_keeps_the_time_spent(data_dir, tmp_path
         params(tmp_path / 'split', 'ckpt_0000006.pt'), params(tmp_path / 'straight', 'ckpt_0000006.pt')
     )
     assert torch.load(tmp_path / 'split' / 'state_0000006.pt', weights_only=False)['elapsed'] >= 100.0
+
+
+def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(data_dir, tmp_path):
+    # Table 3's rows (E) and (B) as settings: the learned table trains, and the checkpoints, their average and
+    # a resume carry it and the Config (h 3 x d_k 4 = 12, under d_model 32, which 3 does not divide).
+    common = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2', '--keep_state=2']
+    common += ['--dropout=0.1']
+    train(common + ['--max_steps=4'], tmp_path / 'a', data_dir)
+    model, _, ckpt = translate.load_checkpoint(str(tmp_path / 'a' / 'ckpt.pt'))
+    assert (ckpt['model_cfg']['positions'], ckpt['model_cfg']['d_head']) == ('learned', 4)
+    assert model.decoder[0].self_attn.qkv_proj.weight.shape == (3 * 12, 32)
+    two, four = params(tmp_path / 'a', 'ckpt_0000002.pt'), params(tmp_path / 'a', 'ckpt_0000004.pt')
+    assert not torch.equal(two['pe'], four['pe'])
+    average = data_prep.average_checkpoints([str(tmp_path / 'a' / f'ckpt_000000{s}.pt') for s in (2, 4)])
+    assert_same_params(average, params(tmp_path / 'a', 'ckpt.pt'))
+    shutil.copytree(tmp_path / 'a', tmp_path / 'b')
+    for f in ('ckpt.pt', 'ckpt_0000004.pt', 'state_0000004.pt'):
+        os.remove(tmp_path / 'b' / f)
+    train(common + ['--max_steps=4', '--init_from=resume'], tmp_path / 'b', data_dir)
+    assert_same_params(params(tmp_path / 'b', 'ckpt_0000004.pt'), four)
 
 
 def test_a_used_out_dir_is_refused_unless_overwrite_which_waits_for_every_input(run, data_dir, tmp_path):
@@ -316,10 +340,12 @@ def test_data_prepared_with_the_checkpoints_tokenizer_fine_tunes_it(run, tmp_pat
 def test_fine_tune_starts_from_the_checkpoint_weights_with_a_fresh_optimizer(run, data_dir, tmp_path):
     # lr 0: the new run's first state holds the source weights unchanged, at step 1, with a fresh optimizer.
     # The settings' d_model (TINY's 32 and 48 here) is the checkpoint's to decide, and said.
-    args = ['--lr=0.0', '--d_model=48', '--n_heads=6', f'--init_from={run[0] / "ckpt.pt"}']
+    args = ['--lr=0.0', '--d_model=48', '--n_heads=6', '--positions=learned']
+    args += [f'--init_from={run[0] / "ckpt.pt"}']
     res = train(['--max_steps=1', '--save_interval=1'] + args, tmp_path / 'b', data_dir)
     new = torch.load(tmp_path / 'b' / 'state_0000001.pt', weights_only=False)
     assert "keeps the checkpoint's architecture" in res.stdout and new['config']['d_model'] == 32
+    assert new['config']['positions'] == new['model_cfg']['positions'] == 'sinusoidal'
     assert_same_params(params(run[0], 'ckpt.pt'), new['model'])
     assert all(s['step'].item() == 1 for s in new['optimizer']['state'].values())
     train(['--max_steps=2', '--init_from=resume'] + args[:-1], tmp_path / 'b', data_dir)  # as it began
@@ -334,6 +360,7 @@ def test_resume_with_another_architecture_optimizer_or_batch_plan_is_refused(run
             '--max_steps=8',
             '--init_from=resume',
             '--d_model=64',
+            '--positions=learned',
             '--weight_decay=0.1',
             '--seed=7',
             '--max_tokens=300',
@@ -342,7 +369,7 @@ def test_resume_with_another_architecture_optimizer_or_batch_plan_is_refused(run
         data_dir,
         ok=False,
     )
-    for arg in ('d_model=64', 'weight_decay=0.1', 'seed=7', 'max_tokens=300'):
+    for arg in ('d_model=64', "positions='learned'", 'weight_decay=0.1', 'seed=7', 'max_tokens=300'):
         assert arg in res.stderr
     assert "(the run's:" in res.stderr and '--init_from=' in res.stderr
 
@@ -374,6 +401,7 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
         (['--max_steps=ten'], 'max_steps must be int'),
         (['--dropout=1.5'], 'dropout must be in [0, 1)'),
         (['--n_heads=3'], 'n_heads must be a divisor of d_model'),
+        (['--positions=rotary'], "positions must be 'sinusoidal' or 'learned'"),
         (['--data_dir=nowhere/wmt14_en_fr'], 'no prepared data in nowhere/wmt14_en_fr: prepare it'),
         ([f'--max_tokens={sizes.min() - 1}'], f'raise it to at least {sizes.min()}'),
         (['--max_len=8'], 'max_len=8'),

@@ -50,11 +50,11 @@ average_last = 5             # ckpt.pt = average of the newest N (section 6.1: 5
 n_enc_layers = n_dec_layers = 6  # N
 d_model = 512
 d_ff = 2048
-n_heads = 8
+n_heads, d_head = 8, 0       # h, and d_k = d_v (0: d_model / h; Table 3 rows A, B: other widths)
 dropout = 0.1
 attn_dropout = 0.0
 pre_norm = False
-max_len = 1024
+max_len, positions = 1024, 'sinusoidal'  # the table's length; 'learned': Table 3 row (E)
 # optimisation (section 5.3, 5.4)
 max_tokens = 4096            # padded source or target tokens per GPU per micro-step
 update_freq = 1              # micro-steps accumulated per update: N GPUs ~ 1 GPU with update_freq N
@@ -87,13 +87,14 @@ for keys, ok, what in [  # each setting's range, checked before any work
          'n_enc_layers n_dec_layers d_model d_ff n_heads max_len max_bad_steps', lambda v: v >= 1, '>= 1'),
         ('dropout attn_dropout label_smoothing beta1 beta2', lambda v: 0 <= v < 1, 'in [0, 1)'),
         ('lr lr_scale adam_eps weight_decay clip_grad max_minutes save_minutes eval_interval save_interval '
-         'bleu_lenpen seed', lambda v: v >= 0, '>= 0'),
+         'bleu_lenpen seed d_head', lambda v: v >= 0, '>= 0'),
         ('bleu_interval', lambda v: v >= -1, '>= -1 (-1: never)'),
         ('cooldown', lambda v: 0 <= v <= 1, 'in [0, 1]'),
         ('schedule', lambda v: v in ('noam', 'inverse_sqrt'), "'noam' or 'inverse_sqrt'"),
+        ('positions', lambda v: v in ('sinusoidal', 'learned'), "'sinusoidal' or 'learned'"),
         ('dtype', lambda v: v in ('auto', 'float32', 'bfloat16', 'float16'), 'auto/float32/bfloat16/float16'),
         ('device', lambda v: re.fullmatch(r'auto|cpu|cuda(:\d+)?', v), 'auto, cpu, cuda or cuda:N'),
-        ('n_heads', lambda v: d_model % v == 0, 'a divisor of d_model')]:
+        ('n_heads', lambda v: d_head or d_model % v == 0, 'a divisor of d_model, or d_head set')]:
     for key in keys.split():
         if not ok(config[key]):
             sys.exit(f"{key} must be {what}, got {config[key]!r}")
@@ -112,8 +113,7 @@ if dtype == 'float16' and device_type == 'cpu':
 if cuda_graphs and (device_type != 'cuda' or update_freq > 1 or checkpoint_activations):
     sys.exit("cuda_graphs needs a GPU, update_freq=1 and checkpoint_activations=False (packed.py)")
 if ddp and device_type == 'cuda':
-    device = f"cuda:{os.environ['LOCAL_RANK']}"
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(device := f"cuda:{os.environ['LOCAL_RANK']}")
 if ddp:  # device_id: NCCL connects each rank to its own GPU at once
     dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', timeout=datetime.timedelta(
         minutes=ddp_timeout_minutes), device_id=torch.device(device) if device_type == 'cuda' else None)
@@ -173,8 +173,8 @@ else:
 if init_from == 'resume':  # the run goes on as it began: architecture, optimizer, batch plan and data
     fixed = ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens'] + [  # and the batch plan
         f.name for f in fields(M.Config) if f.name in config and (not fine_tuned_from or 'drop' in f.name)]
-    changed = [f"{k}={config[k]!r} (the run's: {state['config'][k]!r})" for k in fixed
-               if config[k] != state['config'][k]]
+    changed = [f"{k}={config[k]!r} (the run's: {was!r})" for k in fixed  # newer than the state: its default
+               if config[k] != (was := state['config'].get(k, getattr(M.Config, k, None)))]
     if state['train_split'] != meta['splits']['train']:
         changed.append(f"data_dir={data_dir!r} (other training pairs than the run's {state['data_dir']!r})")
     if changed:
@@ -204,8 +204,7 @@ optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 step, epoch, batch_idx, best_bleu, elapsed = (0, 0, 0, -1.0, 0.0) if init_from != 'resume' else (
     state['step'], state['epoch'], state['next_batch'], state['best_bleu'], state['elapsed'])
-if state is not None:
-    raw_model.load_state_dict(state['model'])
+raw_model.load_state_dict(state['model']) if state is not None else None  # resumed or fine-tuned
 if init_from == 'resume':
     optimizer.load_state_dict(state['optimizer'])
     if state['scaler'] and dtype == 'float16':  # empty where the run did not train in float16
@@ -267,8 +266,9 @@ for layer in (*raw_model.encoder, *raw_model.decoder) if compile else []:  # as 
     layer.compile(dynamic=True)  # layer (identical ones share one graph), batch shapes symbolic
 chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chunk  # the loss's chunks
 model = DDP(raw_model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None,
-            broadcast_buffers=False, gradient_as_bucket_view=True) if ddp and not cuda_graphs else raw_model
-graphed = P.Graphed(raw_model) if cuda_graphs else None  # (DDP syncs no buffers: pe is a constant)
+            gradient_as_bucket_view=True, **{'forward_sync_buffers' if torch.__version__ >= (2, 13) else
+            'broadcast_buffers': False}) if ddp and not cuda_graphs else raw_model  # the sinusoids: constant
+graphed = P.Graphed(raw_model) if cuda_graphs else None
 
 def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)

@@ -59,7 +59,7 @@ def load_checkpoint(path, device='cpu', state_dict=None):
     ckpt = data_prep.read_checkpoint(path)
     try:
         cfg = M.Config(**ckpt['model_cfg'])
-        if cfg.d_model % cfg.n_heads:
+        if cfg.d_model % cfg.n_heads and not cfg.d_head:  # d_head: any h, h * d_k need not be d_model
             raise ValueError(f"d_model={cfg.d_model} is not a multiple of n_heads={cfg.n_heads}")
         enc = data_prep.load_tokenizer(data_prep.checkpoint_tokenizer(path, ckpt))
         model = M.Transformer(cfg)

@@ -78,7 +78,8 @@ def trainer(lib, name, compiled=True):
     def forward(src, tgt_in, rows, ps=None, pt=None):
         if ps is None:
             return model(src, tgt_in, rows)
-        return graphed(src, tgt_in, rows, (ps, pt)) if 'graphs' in name else model(src, tgt_in, rows, (ps, pt))
+        run = graphed if 'graphs' in name else lambda *a: model(*a)
+        return run(src, tgt_in, rows, (ps, pt))
 
     def steps(bs):
         for src, tgt_in, rows, targets, *packed in bs:

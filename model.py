@@ -192,14 +192,9 @@ class Transformer(nn.Module):
     def output(self, x):  # section 3.4: the pre-softmax linear transformation is the embedding matrix
         return F.linear(x, self.embed.weight)
 
-    def forward(self, src, tgt, rows=None, packed=None):
-        """-> logits (B, T, V); with rows (of the B*T target positions), the decoder states there alone.
-        packed: the (source, target) rows of sentences that packed.pack laid end to end (B = 1)."""
-        if packed is None:
-            x = self.decode(tgt, *self.encode(src))
-        else:  # packed.py: attention within each sentence; across, target queries and source keys
-            (s, t), f = packed, packed[0].attend
-            x = self.decode(tgt, self.encode(src, (f, s, s))[0], (f, t, s), tgt_mask=(f, t, t))
+    def forward(self, src, tgt, rows=None):
+        """-> logits (B, T, V); with rows (of the B*T target positions), the decoder states there alone."""
+        x = self.decode(tgt, *self.encode(src))
         return self.output(x) if rows is None else x.flatten(0, 1)[rows]
 
     def new_cache(self):
@@ -376,18 +371,15 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     cfg, B, k, dev = model.cfg, src.size(0), beam, src.device
     memory, src_mask = model.encode(src)  # one copy per sentence for its k beams (MultiHeadAttention)
     limit = max_lengths(model, src, max_len_a, max_len_b)  # (B,)
-    L = int(limit.max())
-    cache, tokens = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id)
+    cache, tokens, L = model.new_cache(), src.new_full((B * k, 1), cfg.bos_id), int(limit.max())
     alive, fin_scores = (torch.full((B, k), -math.inf, device=dev) for _ in range(2))
     alive[:, 0] = 0.0  # all beams start identical: expand only one
     fin_tokens = src.new_full((B, k, L + 1), cfg.pad_id)
     # Finished sentences leave the batch: their results move to out_*, the rest of the state shrinks.
     active, out_scores, out_tokens = torch.arange(B, device=dev), fin_scores.clone(), fin_tokens.clone()
     for t in range(L):
-        if t == 0:  # the k beams of a sentence start identical (BOS): decode one row per sentence
-            logp = next_log_probs(model, tokens[::k], memory, src_mask, cache).repeat_interleave(k, 0)
-        else:
-            logp = next_log_probs(model, tokens[:, -1:], memory, src_mask, cache)
+        logp = next_log_probs(model, tokens[::k] if t == 0 else tokens[:, -1:], memory, src_mask, cache)
+        logp = logp.repeat_interleave(k, 0) if t == 0 else logp  # step 0: a sentence's k beams are one (BOS)
         top, src_beam, tok = candidates(alive, logp, t + 1 >= limit, k, cfg.eos_id)
         fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t, alpha,
                                         cfg.eos_id)

@@ -2,7 +2,7 @@
 Sentences laid end to end, without padding, for the GPU (docs/performance.md, "GPU (H100, 2026-11-27)"): each
 side of a batch becomes one row (B = 1), attention stays within each sentence (flash attention over variable
 lengths), and a row padded to a fixed size gives the few shapes that CUDA graphs need. model.py takes these
-rows through Transformer.forward(..., packed=); the padded batches of train.py are the default.
+rows through its masks (packed.forward); train.py's padded batches are the default.
 """
 import math
 from typing import NamedTuple
@@ -59,6 +59,13 @@ def pack(src, tgt_in, pad_id, size=None, max_len=None):
     return out[0], out[2], slice(0, real[1]), (out[1], out[3])
 
 
+def forward(model, src, tgt, rows, sides):
+    """model(src, tgt, rows) on packed rows: attention within each sentence, target to source across."""
+    (s, t), f = sides, sides[0].attend
+    x = model.decode(tgt, model.encode(src, (f, s, s))[0], (f, t, s), tgt_mask=(f, t, t))
+    return x.flatten(0, 1)[rows]
+
+
 class Body(torch.nn.Module):  # the model on packed rows of one shape: tensors in, every decoder state out
     def __init__(self, model, max_len):
         super().__init__()
@@ -66,7 +73,7 @@ class Body(torch.nn.Module):  # the model on packed rows of one shape: tensors i
 
     def forward(self, src, tgt, cu_s, pos_s, cu_t, pos_t):
         sides = Packed(cu_s, pos_s, self.max_len), Packed(cu_t, pos_t, self.max_len)
-        return self.model(src, tgt, slice(None), sides)
+        return forward(self.model, src, tgt, slice(None), sides)
 
 
 class Graphed:
@@ -77,7 +84,8 @@ class Graphed:
         self.model, self.graphs = model, {}
 
     def __call__(self, src, tgt, rows, sides):  # -> the decoder states at rows, as model(...) gives them
-        (s, t), inputs = sides, (src, tgt, sides[0].cu, sides[0].pos, sides[1].cu, sides[1].pos)
+        s, t = sides
+        inputs = (src, tgt, s.cu, s.pos, t.cu, t.pos)
         key = (src.size(1), len(s.cu), s.max_len)
         if key not in self.graphs:
             self.graphs[key] = torch.cuda.make_graphed_callables(Body(self.model, s.max_len), inputs)

@@ -4,8 +4,8 @@
 # Prepare the data first: python data_prep.py wmt14 --src en --tgt de
 # Batch per GPU, for the paper's ~25000 source + 25000 target tokens per update (section 5.1):
 #   8 GPUs: torchrun --nproc_per_node=8 train.py config/wmt_base.py   (max_tokens=4096 below: 8 x ~3100 real)
-#           compiled: at 4096 tokens a step took 40.5 ms compiled, 43.8 ms eager on an H100 (after the graph-break
-#           fix 00894bb; the host sets the pace at this size: docs/performance.md)
+#           compiled: at 4096 tokens a step took 40.5 ms compiled, 43.8 ms eager on an H100 (after the
+#           graph-break fix 00894bb; the host sets the pace at this size: docs/performance.md)
 #   1 GPU:  python train.py config/wmt_base.py --max_tokens=25000 --compile=True
 #           one 25k-token step took 47.3 ms compiled (20% MFU) on an H200; on an H100 67 ms eager against
 #           8 x 40 ms for the eight 4096-token micro-steps of --update_freq=8 (docs/performance.md)

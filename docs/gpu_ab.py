@@ -17,7 +17,6 @@ import importlib.util
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -78,8 +77,7 @@ def trainer(lib, name, compiled=True):
     def forward(src, tgt_in, rows, ps=None, pt=None):
         if ps is None:
             return model(src, tgt_in, rows)
-        run = graphed if 'graphs' in name else lambda *a: model(*a)
-        return run(src, tgt_in, rows, (ps, pt))
+        return (graphed if 'graphs' in name else lambda *a: P.forward(model, *a))(src, tgt_in, rows, (ps, pt))
 
     def steps(bs):
         for src, tgt_in, rows, targets, *packed in bs:

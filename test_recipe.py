@@ -13,11 +13,11 @@ import data_prep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 40  # 14 s on 2 cores with native bf16, about 30 s in float32
-# Measured with this test's settings and the current recipe (dropout 0.2, warmup 400, cooldown 0.3, which
-# here follows max_steps): valid loss 7.492 at step 40 in bf16 and in float32 (2026-11-26, 2-core AMD EPYC
-# with avx512_bf16, torch 2.13.0+cpu; train.py config/multi30k.py --max_steps=40 --max_minutes=0.0 ...).
+# Measured with this test's settings and the current recipe (4+4 layers, d_model 128, lr 5e-3, warmup 400,
+# cooldown 0.3, which here follows max_steps): valid loss 7.739 at step 40 in bf16 and in float32 (2026-11-27,
+# 2-core Intel Xeon with AMX, torch 2.13.0+cpu; train.py config/multi30k.py --max_steps=40 ...).
 # A broken model, loss, schedule or data pipeline stays near ln(8003) = 9.0; the margin absorbs noise.
-THRESHOLD = 8.0
+THRESHOLD = 8.2
 
 
 @pytest.mark.skipif(not os.path.isdir(data_prep.LOCAL_MULTI30K), reason='no Multi30k copy in ../shared/data')

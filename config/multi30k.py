@@ -3,12 +3,14 @@
 # Run:     python train.py config/multi30k.py
 data_dir = 'data/multi30k_en_de'
 out_dir = 'out/multi30k_en_de'
-n_enc_layers = 3
-n_dec_layers = 3
-d_model = 256
-d_ff = 1024
+# A small model that sees the data more often (2.35M parameters, 2.3x the tokens/s of the previous 3+3
+# layers of d_model 256): test 37.9 (3 seeds) against 36.1 in 30 minutes on an AVX2 CPU (docs/experiments.md).
+n_enc_layers = 4
+n_dec_layers = 4
+d_model = 128
+d_ff = 256
 n_heads = 4
-dropout = 0.2  # 0.1 overfits within 30 minutes of this model (docs/experiments.md)
+dropout = 0.2  # 0.1: the same valid BLEU in the pilots
 # Departure from the paper's post-norm: pre-norm at twice the learning rate converged faster per step in
 # the pilots (docs/experiments.md).
 pre_norm = True
@@ -17,14 +19,14 @@ update_freq = 1
 max_steps = 100000
 max_minutes = 30.0
 schedule = 'inverse_sqrt'
-lr = 2e-3
+lr = 5e-3  # 3e-3: 0.7 valid BLEU lower in the pilots
 warmup = 400
 cooldown = 0.3  # the LR falls linearly to 0 over the last 30% of max_minutes (or max_steps)
 label_smoothing = 0.1
 dtype = 'auto'  # bfloat16 where the CPU has it natively (AVX512-BF16, AMX), else float32
 compile = False
 log_interval = 50
-eval_interval = 200
+eval_interval = 500
 bleu_interval = 0
 save_interval = 0
 save_minutes = 2.0

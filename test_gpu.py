@@ -154,7 +154,7 @@ def test_train_one_process_on_cuda_writes_a_loadable_checkpoint(data_dir, tmp_pa
 
 
 @cuda
-@pytest.mark.parametrize('extra', [[], ['--cuda_graphs=True']])  # graphs: packed.all_reduce_grads, not DDP
+@pytest.mark.parametrize('extra', [[], ['--cuda_graphs=True', '--dtype=bfloat16']])  # packed.all_reduce_grads
 def test_torchrun_with_nccl_runs_the_ddp_path_and_stops_at_max_minutes(data_dir, tmp_path, extra):
     out = tmp_path / 'ddp'
     torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1',
@@ -164,6 +164,12 @@ def test_torchrun_with_nccl_runs_the_ddp_path_and_stops_at_max_minutes(data_dir,
     assert re.search(r'max_minutes=0.1 reached at step \d+', res.stdout), res.stdout[-2000:]
     assert 'device cuda:0' in res.stdout
     assert os.path.exists(out / 'ckpt.pt')
+
+
+@cuda
+def test_cuda_graphs_in_float32_is_a_one_line_error(data_dir, tmp_path):  # flash attention: bf16/fp16 only
+    res = train(['--device=cuda', '--cuda_graphs=True', '--dtype=float32'], tmp_path, data_dir, ok=False)
+    assert 'dtype bfloat16 or float16' in res.stderr  # train(ok=False): one line, no traceback
 
 
 @cuda

@@ -110,8 +110,8 @@ if device_type == 'cuda' and not torch.cuda.is_available():
     sys.exit(f"device={device!r} but torch sees no GPU (device='auto' picks one when there is)")
 if dtype == 'float16' and device_type == 'cpu':
     sys.exit("dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on a CPU")
-if cuda_graphs and (device_type != 'cuda' or update_freq > 1 or checkpoint_activations):
-    sys.exit("cuda_graphs needs a GPU, update_freq=1 and checkpoint_activations=False (packed.py)")
+if cuda_graphs and (device_type != 'cuda' or dtype == 'float32' or update_freq > 1 or checkpoint_activations):
+    sys.exit("cuda_graphs needs a GPU, dtype bfloat16 or float16, update_freq=1, no checkpoint_activations")
 if ddp and device_type == 'cuda':
     torch.cuda.set_device(device := f"cuda:{os.environ['LOCAL_RANK']}")
 if ddp:  # device_id: NCCL connects each rank to its own GPU at once

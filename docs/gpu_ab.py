@@ -6,6 +6,7 @@ WMT-like batches, in several variants in one process, the rounds alternating; me
     packed   the same sentences end to end (packed.pack): flash attention over variable lengths, no padding
     graphs   packed to a fixed size, the model's forward and backward replayed as CUDA graphs (one per shape)
     eager-graphs   the same without torch.compile
+    bf16, graphs-bf16   padded or graphs with the weights in bf16 and no autocast: what the casts cost at most
     old      another version's model.py (--old), padded
     git show e1c7854:model.py > .gpu_data/model_old.py     # an ignored folder that the device call carries
     python3 docs/gpu_ab.py --variants padded,packed,graphs --batch-tokens 25000 4096 [--old F] [--profile]
@@ -67,12 +68,15 @@ def trainer(lib, name, compiled=True):
     """-> steps(batches): lib's model trained as bench.py's compiled row, on the variant's batches."""
     torch.manual_seed(0)
     model = lib.Transformer(cfg).to(dev).train()
+    bf16 = name.endswith('bf16')  # weights in bf16, no autocast: the casts' bound (no float32 master copy)
+    model.to(torch.bfloat16) if bf16 and dev.type == 'cuda' else None
     for layer in [*model.encoder, *model.decoder] if compiled else []:
         layer.compile(dynamic=True)
     chunk_fn = torch.compile(lib.loss_chunk, dynamic=True) if compiled else lib.loss_chunk
     opt = torch.optim.Adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, fused=dev.type == 'cuda')
     graphed = P.Graphed(model)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == 'cuda', cache_enabled=False)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == 'cuda' and not bf16,
+                              cache_enabled=False)
 
     def forward(src, tgt_in, rows, ps=None, pt=None):
         if ps is None:
@@ -101,7 +105,8 @@ for tokens in args.batch_tokens:
     kinds = {'padded': [to_dev(b) for b in padded], 'old': [to_dev(b) for b in padded],
              'packed': packed_batches(padded),
              'graphs': packed_batches(padded, tokens + max_len, max_len)}
-    kinds['eager-graphs'] = kinds['graphs']
+    kinds['eager-graphs'] = kinds['graphs-bf16'] = kinds['graphs']
+    kinds['bf16'] = kinds['padded']
     runs = {}
     for name in variants:
         if 'graphs' in name and tokens > args.graphs_max_tokens:

@@ -358,11 +358,15 @@ def test_multi30k_from_a_mirror_folder_with_the_sides_swapped(tmp_path, monkeypa
 
 
 @pytest.mark.skipif(not os.path.isdir(data_prep.LOCAL_MULTI30K), reason='no ../shared/data/multi30k')
-def test_real_multi30k_en_de_keeps_valid_and_test_whole_and_drops_by_ratio_only(tmp_path):
+def test_real_multi30k_en_de_keeps_every_pair_unless_a_ratio_is_asked(tmp_path):
     out = tmp_path / 'm30k'
     meta = data_prep.main(['multi30k', '--src', 'en', '--tgt', 'de', '--out', str(out)])
-    assert meta['raw_pairs'] == {'train': 29000, 'valid': 1014, 'test': 1000}
-    assert meta['dropped'] == {'empty': 0, 'too_long': 0, 'ratio': 773} and meta['vocab_size'] == 8003
+    assert meta['raw_pairs'] == {'train': 29000, 'valid': 1014, 'test': 1000} and meta['vocab_size'] == 8003
+    assert meta['dropped'] == {'empty': 0, 'too_long': 0, 'ratio': 0}
+    assert meta['splits']['train']['pairs'] == 29000
+    args = ['multi30k', '--src', 'en', '--tgt', 'de', '--max-ratio', '1.5', '--out', str(tmp_path / 'r15')]
+    meta = data_prep.main(args)
+    assert meta['dropped'] == {'empty': 0, 'too_long': 0, 'ratio': 773}  # fairseq's WMT rule: captions differ
     ref = gzip.decompress(open(os.path.join(data_prep.LOCAL_MULTI30K, 'test_2016_flickr.de.gz'), 'rb').read())
     ref = ref.decode('utf-8')
     assert (out / 'test.de.txt').read_text('utf-8') == ref

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import bench
 import data_prep
 import model as M
-from test_translate import reverse, toy  # noqa: F401  (toy: a module fixture, a trained checkpoint)
+from test_translate import reverse
 
 TINY = ['--config', 'tiny', '--compile', 'off', '--warmup', '1', '--steps', '2', '--batch-tokens', '256',
         '--decode-sents', '4', '--json']

@@ -1,7 +1,8 @@
 """
-Tests for translate.py. A module fixture trains a tiny model.Transformer to reverse the word order of
-sentences over a 12-word vocabulary (through a small BPE tokenizer) and saves it as train.py saves
-checkpoints; translate.py runs on it in-process, and as a script where stdin or a terminal matters.
+Tests for translate.py. conftest.py's `toy` trains a tiny model.Transformer (train_reversal, below) to
+reverse the word order of sentences over a 12-word vocabulary (through a small BPE tokenizer) and saves it
+as train.py saves checkpoints; translate.py runs on it in-process, and as a script where stdin or a terminal
+matters.
 """
 import functools
 import json
@@ -13,7 +14,6 @@ import stat
 import subprocess
 import sys
 import threading
-from dataclasses import asdict
 
 import pytest
 import sacrebleu
@@ -65,22 +65,6 @@ def train_reversal(steps=250, **overrides):
         (loss / len(rows)).backward()
         opt.step()
     return model.eval(), d, enc, cfg
-
-
-@pytest.fixture(scope='module')
-def toy(tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    model, d, enc, cfg = train_reversal()
-    folder = tmp_path_factory.mktemp('toy')
-    ckpt = folder / 'ckpt.pt'
-    torch.save({'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 250,
-                'config': {}}, ckpt)
-    # Lengths deliberately out of order, so that length-sorted batches would scramble a naive writer.
-    lines = [sentence(random.Random(i)) for i in range(24)]
-    (folder / 'test.src').write_text(''.join(line + '\n' for line in lines))
-    yield dict(ckpt=str(ckpt), model=model, enc=enc, cfg=cfg, lines=lines, src=str(folder / 'test.src'))
-    torch.set_num_threads(threads)
 
 
 def own_decode(toy, line, greedy=False, nbest=1, exact=False):

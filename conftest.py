@@ -1,0 +1,39 @@
+"""Fixtures that several test files share, each made once per session (a module fixture that another test file
+imports is made again for that file)."""
+import os
+import random
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import data_prep
+
+
+@pytest.fixture(scope='session')
+def toy(tmp_path_factory):
+    """test_translate.py's tiny word-order reversal model, its checkpoint, and 24 source lines."""
+    from test_translate import sentence, train_reversal
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two shared cores: one thread is faster than oversubscribed ones
+    try:
+        model, d, enc, cfg = train_reversal()
+    finally:
+        torch.set_num_threads(threads)
+    folder = tmp_path_factory.mktemp('toy')
+    ckpt = folder / 'ckpt.pt'
+    torch.save({'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 250,
+                'config': {}}, ckpt)
+    # Lengths deliberately out of order, so that length-sorted batches would scramble a naive writer.
+    lines = [sentence(random.Random(i)) for i in range(24)]
+    (folder / 'test.src').write_text(''.join(line + '\n' for line in lines))
+    return dict(ckpt=str(ckpt), model=model, enc=enc, cfg=cfg, lines=lines, src=str(folder / 'test.src'))
+
+
+@pytest.fixture(scope='session')
+def multi30k_en_de(tmp_path_factory):
+    """The real Multi30k en-de as `data_prep.py multi30k --src en --tgt de` prepares it -> (folder, meta)."""
+    if not os.path.isdir(data_prep.LOCAL_MULTI30K):
+        pytest.skip('no Multi30k copy in ../shared/data')
+    out = tmp_path_factory.mktemp('multi30k') / 'multi30k_en_de'
+    return out, data_prep.main(['multi30k', '--src', 'en', '--tgt', 'de', '--out', str(out)])

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -615,6 +614,13 @@ def test_inverse_sqrt_schedule():
     assert get_lr(2000) == pytest.approx(2.5e-4)
     assert get_lr(4000) == pytest.approx(5e-4)
     assert get_lr(16000) == pytest.approx(2.5e-4)
+
+
+def test_constant_schedule_warms_up_then_holds_lr_until_the_cooldown():
+    get_lr = load_get_lr(schedule='constant', lr=2e-3, warmup=800, cooldown=0.3, max_steps=8000)
+    assert get_lr(400) == pytest.approx(1e-3)
+    assert get_lr(800) == get_lr(5600) == pytest.approx(2e-3)
+    assert get_lr(6800) == pytest.approx(1e-3) and get_lr(8000) == 0.0
 
 
 def test_cooldown_takes_the_lr_linearly_to_zero_by_the_budget_that_ends_the_run_first():

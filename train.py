@@ -61,7 +61,7 @@ update_freq = 1              # micro-steps accumulated per update: N GPUs ~ 1 GP
 max_steps = 100000
 max_minutes = 0.0            # also stop after this much training time, resumed runs' included (0 = no limit)
 schedule = 'noam'            # 'noam': the paper's formula; 'inverse_sqrt': fairseq's linear warmup to lr
-lr = 5e-4                    # peak learning rate of 'inverse_sqrt'
+lr = 5e-4                    # peak learning rate of 'inverse_sqrt' and 'constant' (warmup to lr, then flat)
 lr_scale = 1.0               # multiplier on the 'noam' formula
 warmup = 4000
 cooldown = 0.0               # LR falls linearly to 0 over this last share of the run (steps or minutes)
@@ -90,7 +90,7 @@ for keys, ok, what in [  # each setting's range, checked before any work
          'bleu_lenpen seed d_head', lambda v: v >= 0, '>= 0'),
         ('bleu_interval', lambda v: v >= -1, '>= -1 (-1: never)'),
         ('cooldown', lambda v: 0 <= v <= 1, 'in [0, 1]'),
-        ('schedule', lambda v: v in ('noam', 'inverse_sqrt'), "'noam' or 'inverse_sqrt'"),
+        ('schedule', lambda v: v in ('noam', 'inverse_sqrt', 'constant'), 'noam, inverse_sqrt or constant'),
         ('positions', lambda v: v in ('sinusoidal', 'learned'), "'sinusoidal' or 'learned'"),
         ('dtype', lambda v: v in ('auto', 'float32', 'bfloat16', 'float16'), 'auto/float32/bfloat16/float16'),
         ('device', lambda v: re.fullmatch(r'auto|cpu|cuda(:\d+)?', v), 'auto, cpu, cuda or cuda:N'),
@@ -273,8 +273,8 @@ graphed = P.Graphed(raw_model) if cuda_graphs else None
 def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
         rate = lr_scale * model_cfg.d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-    else:  # 'inverse_sqrt', fairseq's: linear warmup to lr, then lr * sqrt(warmup / step)
-        rate = lr * min(step / warmup, (warmup / step) ** 0.5)
+    else:  # fairseq's 'inverse_sqrt': linear warmup to lr, then lr * sqrt(warmup / step); or flat at lr
+        rate = lr * min(step / warmup, (warmup / step) ** 0.5 if schedule == 'inverse_sqrt' else 1.0)
     if cooldown > 0:  # linear decay to 0 over the last `cooldown` of the run, by the budget ending it first
         done = max(step / max_steps, elapsed / (max_minutes * 60) if max_minutes > 0 else 0.0)
         rate *= min(1.0, max(0.0, (1.0 - done) / cooldown))

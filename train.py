@@ -60,7 +60,7 @@ max_tokens = 4096            # padded source or target tokens per GPU per micro-
 update_freq = 1              # micro-steps accumulated per update: N GPUs ~ 1 GPU with update_freq N
 max_steps = 100000
 max_minutes = 0.0            # also stop after this much training time, resumed runs' included (0 = no limit)
-schedule = 'noam'            # 'noam': the paper's formula; 'inverse_sqrt': fairseq's linear warmup to lr
+schedule = 'noam'            # 'noam': the paper's formula; 'inverse_sqrt': fairseq's; 'constant': flat
 lr = 5e-4                    # peak learning rate of 'inverse_sqrt' and 'constant' (warmup to lr, then flat)
 lr_scale = 1.0               # multiplier on the 'noam' formula
 warmup = 4000

@@ -228,7 +228,7 @@ def loss_chunk(x, weight, target, eps):
     a, b = 1.0 - eps - eps / (V - 1), eps / (V - 1)
     logits = F.linear(x, weight).float()  # x and weight in the compute dtype: no cast per chunk
     top, picked, total = logits.amax(-1, keepdim=True), logits.gather(1, target[:, None]), logits.sum(-1)
-    p = logits.sub_(top).exp_()  # in place, as are the steps below: no other (rows x V) matrix
+    p = logits.sub_(top).clamp_(min=-80.0).exp_()  # in place (no other rows x V); exp < -87: 9x slower on CPU
     lse = top + (norm := p.sum(-1, keepdim=True)).log()  # log sum exp
     nll = (lse - picked).squeeze(1)
     loss = (a * nll + b * (V * lse.squeeze(1) - total)).sum()

@@ -351,6 +351,20 @@ def test_fine_tune_starts_from_the_checkpoint_weights_with_a_fresh_optimizer(run
     assert torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['model_cfg']['d_model'] == 32
 
 
+def test_weight_decay_is_decoupled_and_spares_gains_and_biases(run, data_dir, tmp_path):
+    # One step from the same weights, the same batch and dropout, with and without decay: AdamW's decay
+    # takes lr * wd * w off each matrix and leaves the Adam step as it was (an L2 term would change it).
+    lr, wd, init = 0.01, 0.5, run[0] / 'ckpt.pt'
+    args = ['--max_steps=1', '--schedule=constant', '--warmup=1', f'--lr={lr}', f'--init_from={init}']
+    for w in (0.0, wd):
+        train(args + [f'--weight_decay={w}'], tmp_path / str(w), data_dir)
+    w0, plain, decayed = params(run[0], 'ckpt.pt'), params(tmp_path / '0.0', 'ckpt.pt'), params(
+        tmp_path / str(wd), 'ckpt.pt')
+    for k, w in w0.items():
+        took = plain[k] - decayed[k]
+        assert torch.allclose(took, lr * wd * w if w.dim() > 1 else torch.zeros_like(w), atol=1e-6), k
+
+
 def test_resume_with_another_architecture_optimizer_or_batch_plan_is_refused(run, data_dir, tmp_path):
     out = copy_run(run, tmp_path)
     # seed and max_tokens make the batch plan the saved position indexes: another would skip or repeat data

@@ -66,7 +66,7 @@ lr_scale = 1.0               # multiplier on the 'noam' formula
 warmup = 4000
 cooldown = 0.0               # LR falls linearly to 0 over this last share of the run (steps or minutes)
 beta1, beta2, adam_eps = 0.9, 0.98, 1e-9
-weight_decay = 0.0
+weight_decay = 0.0           # AdamW's, on matrices (the paper: none)
 label_smoothing = 0.1
 clip_grad = 0.0              # max gradient norm (0 = off; the paper does not clip)
 # system
@@ -198,17 +198,18 @@ for split, data in (('training', train_data), ('validation', valid_data)):
                  f"(with EOS): raise max_len, or leave them out (data_prep.py --max-len)")
 raw_model = M.Transformer(model_cfg).to(device)
 data_prep.cpu_dropout(raw_model) if device_type == 'cpu' else None  # a faster mask on CPUs
-# Fused Adam (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync.
-optimizer = torch.optim.Adam(raw_model.parameters(), lr=0.0, betas=(beta1, beta2), eps=adam_eps,
-                             weight_decay=weight_decay, fused=True)
+# Fused AdamW (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync. Weight
+# decay decoupled (Loshchilov & Hutter 2019) and on the matrices alone, as nanoGPT's: gains and biases stay.
+optimizer = torch.optim.AdamW([{'params': [p for p in raw_model.parameters() if p.dim() > 1]}, {'params': [
+    p for p in raw_model.parameters() if p.dim() < 2], 'weight_decay': 0.0}], lr=0.0, betas=(beta1, beta2),
+    eps=adam_eps, weight_decay=weight_decay, fused=True)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 step, epoch, batch_idx, best_bleu, elapsed = (0, 0, 0, -1.0, 0.0) if init_from != 'resume' else (
     state['step'], state['epoch'], state['next_batch'], state['best_bleu'], state['elapsed'])
 raw_model.load_state_dict(state['model']) if state is not None else None  # resumed or fine-tuned
 if init_from == 'resume':
     optimizer.load_state_dict(state['optimizer'])
-    if state['scaler'] and dtype == 'float16':  # empty where the run did not train in float16
-        scaler.load_state_dict(state['scaler'])
+    scaler.load_state_dict(state['scaler']) if state['scaler'] and dtype == 'float16' else None  # else empty
     with contextlib.suppress(Exception):  # the final evaluation's ckpt_best.pt postdates the state
         best_bleu = max(best_bleu, torch.load(os.path.join(out_dir, 'ckpt_best.pt'), mmap=True)['valid_bleu'])
     rng = state['rng'][rank] if len(state['rng']) == world else None  # dropout goes on as if never stopped
@@ -311,8 +312,7 @@ def evaluate(final=False):  # every rank takes part: each validates its share
             loss, nll = M.label_smoothed_loss(raw_model(src, tgt_in, rows), raw_model.embed.weight, targets,
                                               label_smoothing)
         sums += torch.stack([loss, nll, torch.tensor(len(rows), device=device)])
-    if ddp:
-        dist.all_reduce(sums)
+    dist.all_reduce(sums) if ddp else None
     total, nll, ntok = sums.tolist()
     record = {'step': step, 'valid_loss': total / ntok, 'valid_ppl': math.exp(nll / ntok)}
     if bleu_interval >= 0 and (final or (bleu_interval and step % bleu_interval == 0)):

@@ -16,8 +16,7 @@ STEPS = 80  # the tokens of 40 steps of the previous 2048-token recipe
 # batches, warmup 800 to a flat lr 3e-3, cooldown 0.3, which here follows max_steps, weight decay 0.1):
 # valid loss 7.365 at step 80 (2026-11-29, bf16; 7.364 without decay in bf16 and float32, 2026-11-28;
 # 2-core AMD EPYC with AVX512-BF16, torch 2.13.0+cpu; train.py config/multi30k.py --max_steps=80 ...;
-# 3+3 layers: 7.441). A broken model, loss, schedule or data pipeline
-# stays near ln(8003) = 9.0.
+# 3+3 layers: 7.441). A broken model, loss, schedule or data pipeline stays near ln(8003) = 9.0.
 THRESHOLD = 7.8
 
 

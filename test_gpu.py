@@ -153,8 +153,8 @@ def test_train_one_process_on_cuda_writes_a_loadable_checkpoint(data_dir, tmp_pa
     assert '(cpu, ' in res.stderr
 
 
-@cuda
-@pytest.mark.parametrize('extra', [[], ['--cuda_graphs=True', '--dtype=bfloat16']])  # packed.all_reduce_grads
+@cuda  # graphs: packed.all_reduce_grads averages; master_weights: rank 0's float32 weights broadcast
+@pytest.mark.parametrize('extra', [[], ['--cuda_graphs=True', '--dtype=bfloat16', '--master_weights=True']])
 def test_torchrun_with_nccl_runs_the_ddp_path_and_stops_at_max_minutes(data_dir, tmp_path, extra):
     out = tmp_path / 'ddp'
     torchrun = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1',

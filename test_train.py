@@ -212,10 +212,10 @@ def test_resume_is_exact(run, data_dir, tmp_path):
 def test_activation_checkpointing_trains_the_same_steps(run, data_dir, tmp_path):
     # Backward recomputes each layer's forward, dropout masks included: the same losses and weights.
     counted = (  # train.py with torch.utils.checkpoint counting its calls
-        "import atexit, runpy, sys, torch.utils.checkpoint as c\n"
-        "f, calls = c.checkpoint, []\n"
+        "import os, runpy, sys, torch.utils.checkpoint as c\n"
+        "f, calls, leave = c.checkpoint, [], os._exit  # os._exit: train.py's last line\n"
         "c.checkpoint = lambda *a, **k: calls.append(1) or f(*a, **k)\n"
-        "atexit.register(lambda: print('checkpointed layer calls', len(calls)))\n"
+        "os._exit = lambda code: print('checkpointed layer calls', len(calls), flush=True) or leave(code)\n"
         "sys.argv = sys.argv[1:]\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
     )
@@ -227,20 +227,40 @@ def test_activation_checkpointing_trains_the_same_steps(run, data_dir, tmp_path)
     assert_same_params(params(tmp_path, 'ckpt_0000006.pt'), params(run[0], 'ckpt_0000006.pt'))
 
 
-def test_ddp_two_processes_equal_one_process_with_update_freq_2(data_dir, tmp_path):
+@pytest.fixture(scope='module')
+def one(data_dir, tmp_path_factory):
+    """4 steps of one process with update_freq 2, no dropout, a snapshot each: two processes' reference."""
+    args = ['--max_steps=4', '--dropout=0.0', '--save_interval=1', '--bleu_interval=0', '--schedule=constant',
+            '--warmup=1', '--lr=0.01']
+    out = tmp_path_factory.mktemp('one') / 'one'
+    train(args + ['--update_freq=2'], out, data_dir)
+    return out, args
+
+
+def test_ddp_two_processes_equal_one_process_with_update_freq_2(one, data_dir, tmp_path):
     # Validation is split across the ranks: its loss and BLEU must still be those of one process.
-    common = ['--max_steps=4', '--dropout=0.0', '--save_interval=4', '--bleu_interval=0']
-    train(common + ['--update_freq=2'], tmp_path / 'one', data_dir)
-    assert 'Warning' not in train(common, tmp_path / 'two', data_dir, nproc=2).stderr  # nor DDP's, per rank
-    a, b = params(tmp_path / 'one', 'ckpt_0000004.pt'), params(tmp_path / 'two', 'ckpt_0000004.pt')
+    assert 'Warning' not in train(one[1], tmp_path, data_dir, nproc=2).stderr  # nor DDP's, per rank
+    a, b = params(one[0], 'ckpt_0000004.pt'), params(tmp_path, 'ckpt_0000004.pt')
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
     # The logged training loss too: over both ranks' tokens, not rank 0's times two.
-    assert losses(tmp_path / 'two') == pytest.approx(losses(tmp_path / 'one'), rel=1e-5)
-    (va,), (vb,) = records(tmp_path / 'one', 'valid_bleu'), records(tmp_path / 'two', 'valid_bleu')
+    assert losses(tmp_path) == pytest.approx(losses(one[0]), rel=1e-5)
+    (va,), (vb,) = records(one[0], 'valid_bleu'), records(tmp_path, 'valid_bleu')
     assert va['valid_bleu'] == vb['valid_bleu'] and va['valid_loss'] == pytest.approx(
         vb['valid_loss'], rel=1e-5
     )
+
+
+def test_master_weights_train_a_bf16_copy_as_float32_training_does(one, data_dir, tmp_path):
+    # The copy in bf16 runs the steps, the float32 weights take Adam's first step whole, lr * sign(g) (bf16
+    # weights would round it), each step's new weights reach the copy, and both ranks start from rank 0's
+    # float32 weights: float32's losses to bf16's rounding (at step 2 4.753 against 4.752; 5.799 without the
+    # copy back, 5.487 with each rank's own start; 2026-12-01).
+    train(one[1] + ['--dtype=bfloat16', '--master_weights=True'], tmp_path, data_dir, nproc=2)
+    assert losses(tmp_path) == pytest.approx(losses(one[0]), abs=0.02)
+    a, b = params(one[0], 'ckpt_0000001.pt'), params(tmp_path, 'ckpt_0000001.pt')
+    steps = torch.cat([(b[k] - a[k]).flatten() for k in a]) / 0.01  # 0, or 1, 2 where gradients' signs differ
+    assert ((steps - steps.round()).abs() < 0.01).float().mean() > 0.99  # 0.997; the rest: |g| near eps
 
 
 def test_two_process_resume_is_exact_and_keeps_the_time_spent(data_dir, tmp_path):
@@ -419,6 +439,7 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
         ([f'--max_tokens={sizes.min() - 1}'], f'raise it to at least {sizes.min()}'),
         (['--max_len=8'], 'max_len=8'),
         (['--cuda_graphs=True', '--device=cpu'], 'cuda_graphs needs a GPU'),
+        (['--master_weights=True'], 'master_weights must be False with dtype float32'),  # TINY's dtype
     ]
     errs = refused(*[(a, tmp_path / str(i), data_dir) for i, (a, _) in enumerate(cases)])
     for (_, message), err in zip(cases, errs):
@@ -472,7 +493,7 @@ def test_resume_with_another_update_freq_continues_at_the_next_batch(run, data_d
 def test_training_steps_between_log_lines_read_nothing_back_from_the_device(data_dir, tmp_path):
     # Host syncs (.item(), bool() of a tensor) stop a GPU from running ahead: count them per run.
     wrapper = (
-        "import runpy, sys, torch\n"
+        "import os, runpy, sys, torch\n"
         "n = [0]\n"
         "def counted(f):\n"
         "    def g(*a, **k):\n"
@@ -482,8 +503,9 @@ def test_training_steps_between_log_lines_read_nothing_back_from_the_device(data
         "torch.Tensor.item = counted(torch.Tensor.item)\n"
         "torch.Tensor.__bool__ = counted(torch.Tensor.__bool__)\n"
         "sys.argv = sys.argv[1:]\n"
+        "leave = os._exit  # train.py's last line\n"
+        "os._exit = lambda code: print('host reads', n[0], flush=True) or leave(code)\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
-        "print('host reads', n[0])\n"
     )
     reads = []
     for steps in (4, 12):
@@ -502,7 +524,7 @@ def test_compiled_training_does_not_recompile_per_batch_shape(data_dir, tmp_path
     # train.py must not compile per shape, nor fall back to eager at dynamo's recompile limit (an error here).
     # The backend is dynamo's 'eager': capture and guards, which decide recompiles, are inductor's too.
     wrapper = (
-        "import runpy, sys, torch\n"
+        "import os, runpy, sys, torch\n"
         "from torch._dynamo.utils import counters\n"
         "torch._dynamo.config.fail_on_recompile_limit_hit = True\n"
         "compile, module_compile = torch.compile, torch.nn.Module.compile\n"

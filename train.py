@@ -1,5 +1,4 @@
-"""
-Trains the Transformer. One process:
+"""Trains the Transformer. One process:
 $ python train.py config/multi30k.py
 Data-parallel on one node (8 GPUs), or on CPU with gloo:
 $ torchrun --nproc_per_node=8 train.py config/wmt_base.py
@@ -7,6 +6,7 @@ Settings below are defaults; a config file overrides them, then --key=value over
 $ python train.py config/multi30k.py --max_steps=2000 --dtype=float32
 """
 import contextlib
+import copy
 import datetime
 import glob
 import json
@@ -74,6 +74,7 @@ device = 'auto'              # 'auto', 'cpu', 'cuda', 'cuda:1', ...
 dtype = 'auto'               # 'auto' (bf16 where native), 'bfloat16', 'float32', 'float16' (GPU, scaled)
 compile = False
 cuda_graphs = False          # GPU: rows packed to a fixed size, forward and backward as CUDA graphs
+master_weights = False       # the steps on a copy in dtype, Adam on the float32 model (fairseq's --bf16)
 checkpoint_activations = False  # backward recomputes each layer from its input: less memory, more compute
 seed = 1337
 max_bad_steps = 20           # consecutive non-finite updates before giving up
@@ -93,11 +94,11 @@ for keys, ok, what in [  # each setting's range, checked before any work
         ('schedule', lambda v: v in ('noam', 'inverse_sqrt', 'constant'), 'noam, inverse_sqrt or constant'),
         ('positions', lambda v: v in ('sinusoidal', 'learned'), "'sinusoidal' or 'learned'"),
         ('dtype', lambda v: v in ('auto', 'float32', 'bfloat16', 'float16'), 'auto/float32/bfloat16/float16'),
+        ('master_weights', lambda v: not v or config['dtype'] != 'float32', 'False with dtype float32'),
         ('device', lambda v: re.fullmatch(r'auto|cpu|cuda(:\d+)?', v), 'auto, cpu, cuda or cuda:N'),
         ('n_heads', lambda v: d_head or d_model % v == 0, 'a divisor of d_model, or d_head set')]:
-    for key in keys.split():
-        if not ok(config[key]):
-            sys.exit(f"{key} must be {what}, got {config[key]!r}")
+    for key in [k for k in keys.split() if not ok(config[k])]:
+        sys.exit(f"{key} must be {what}, got {config[key]!r}")
 
 # -----------------------------------------------------------------------------------------------
 # processes, device and precision
@@ -121,10 +122,8 @@ if dtype == 'bfloat16' != data_prep.fast_dtype(device_type):
     log(f"warning: this {device_type} has no native bfloat16 matrix multiply: far slower than float32")
 dtype = data_prep.fast_dtype(device_type) if dtype == 'auto' else dtype
 torch.manual_seed(seed + rank)
-if device_type == 'cpu':  # kept: faster steps; given back: the lower peak checkpointing is for
-    data_prep.keep_freed_memory(keep=not checkpoint_activations)
-if device_type == 'cpu' and dtype == 'bfloat16':  # at sentence lengths the CPU flash kernel is slower
-    torch.backends.cuda.enable_flash_sdp(False)
+data_prep.keep_freed_memory(not checkpoint_activations) if device_type == 'cpu' else None  # faster CPU steps
+torch.backends.cuda.enable_flash_sdp(device_type != 'cpu' or dtype != 'bfloat16')  # CPU bf16: flash slower
 if device_type == 'cuda':  # cuDNN attention plans anew for each shape: bf16 ran 5-10x slower on an H100
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -256,30 +255,31 @@ def prefetched(items):  # the next item is made by a background thread while thi
 
 batches = prefetched(updates(epoch, batch_idx, epoch_plan(epoch)))
 if init_from != 'resume' and run_files:  # --overwrite: only now that every input has loaded
-    if ddp:
-        dist.barrier()  # every rank has listed the old run
+    dist.barrier() if ddp else None  # every rank has listed the old run
     for f in run_files if master else []:
         os.remove(os.path.join(out_dir, f))
-for layer in (*raw_model.encoder, *raw_model.decoder) if checkpoint_activations else []:  # fairseq's option
+train_model = copy.deepcopy(raw_model).to(getattr(torch, dtype)) if master_weights else raw_model
+for p in raw_model.parameters() if ddp and master_weights else []:  # DDP broadcasts only the copy's
+    dist.broadcast(p.detach(), 0)
+for layer in (*train_model.encoder, *train_model.decoder) if checkpoint_activations else []:  # fairseq's
     layer.forward = lambda *a, f=layer.forward: (torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)
                                                  if torch.is_grad_enabled() else f(*a))  # no_grad: none saved
-for layer in (*raw_model.encoder, *raw_model.decoder) if compile else []:  # as bench.py measures it: per
+for layer in (*train_model.encoder, *train_model.decoder) if compile else []:  # as bench.py measures it: per
     layer.compile(dynamic=True)  # layer (identical ones share one graph), batch shapes symbolic
 chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chunk  # the loss's chunks
-model = DDP(raw_model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None,
+model = DDP(train_model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None,
             gradient_as_bucket_view=True, **{'forward_sync_buffers' if torch.__version__ >= (2, 13) else
-            'broadcast_buffers': False}) if ddp and not cuda_graphs else raw_model  # the sinusoids: constant
-graphed = P.Graphed(raw_model) if cuda_graphs else None
+            'broadcast_buffers': False}) if ddp and not cuda_graphs else train_model  # sinusoids: constant
+graphed = P.Graphed(train_model) if cuda_graphs else None
 
 def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
         rate = lr_scale * model_cfg.d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
     else:  # fairseq's 'inverse_sqrt': linear warmup to lr, then lr * sqrt(warmup / step); or flat at lr
         rate = lr * min(step / warmup, (warmup / step) ** 0.5 if schedule == 'inverse_sqrt' else 1.0)
-    if cooldown > 0:  # linear decay to 0 over the last `cooldown` of the run, by the budget ending it first
-        done = max(step / max_steps, elapsed / (max_minutes * 60) if max_minutes > 0 else 0.0)
-        rate *= min(1.0, max(0.0, (1.0 - done) / cooldown))
-    return rate
+    # cooldown: linear decay to 0 over the last `cooldown` of the run, by the budget that ends it first
+    done = max(step / max_steps, elapsed / (max_minutes * 60) if max_minutes > 0 else 0.0)
+    return rate * min(1.0, max(0.0, (1.0 - done) / cooldown)) if cooldown > 0 else rate
 
 def gather(obj):  # every rank's obj, in rank order
     out = [obj] * world
@@ -333,8 +333,7 @@ def save(path, full=False, **extra):  # weights (averaging and translate.py read
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch, rng=rng,
                     next_batch=batch_idx, best_bleu=best_bleu, elapsed=clock,
                     train_split=meta['splits']['train'])
-    if master:
-        data_prep.save_atomic(ckpt, path)
+    data_prep.save_atomic(ckpt, path) if master else None
 
 def checkpoint():  # a training state to resume from and a weights snapshot to average; the oldest go
     save(os.path.join(out_dir, f'state_{step:07d}.pt'), full=True)
@@ -342,8 +341,7 @@ def checkpoint():  # a training state to resume from and a weights snapshot to a
     for prefix, keep in (('state', keep_state), ('ckpt', keep_last)) if master else []:
         for old in data_prep.checkpoints(out_dir, prefix)[:-keep]:
             os.remove(old)
-    if ddp:
-        dist.barrier()  # the other ranks read these files at the end (averaging)
+    dist.barrier() if ddp else None  # the other ranks read these files at the end (averaging)
 
 def log_record(record):  # log.jsonl opens with the first record: a run stopped before it leaves none behind
     if master:
@@ -362,8 +360,7 @@ t_start = (t_last := time.time()) - elapsed
 # clock: the training time all ranks agree on (under DDP at log steps, where the host waits for the GPU).
 tokens_since, clock, last_save = 0, elapsed, elapsed  # the sums below: on the device until a log step too
 loss_acc, nll_acc, bad_run, worst_run, skipped = (torch.zeros((), device=device) for _ in range(5))
-if max_minutes > 0 and elapsed > max_minutes * 60:  # resumed after its time ran out: not one more step
-    max_steps = step
+max_steps = step if max_minutes > 0 and elapsed > max_minutes * 60 else max_steps  # resumed, time used up
 while step < max_steps:
     epoch, batch_idx, ntok_update, micro_batches = next(batches)
     step += 1
@@ -376,9 +373,9 @@ while step < max_steps:
                 model.require_backward_grad_sync = micro == update_freq - 1
             if cuda_graphs:  # copied here: while a graph is captured, no other thread may use the GPU
                 src, tgt_in, targets, *sides = (x.to(device) for x in (src, tgt_in, targets, *sides))
-            with autocast:  # the decoder states of the real target tokens
+            with contextlib.nullcontext() if master_weights else autocast:  # real targets' decoder states
                 x = graphed(src, tgt_in, rows, sides) if cuda_graphs else model(src, tgt_in, rows)
-                loss, nll = M.label_smoothed_loss(x, raw_model.embed.weight, targets, label_smoothing,
+                loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets, label_smoothing,
                                                   chunk_fn)
             # DDP averages gradients over ranks; scaling by world turns that average into the sum.
             scaler.scale(loss * world / ntok_update).backward()
@@ -387,7 +384,9 @@ while step < max_steps:
     except torch.cuda.OutOfMemoryError:
         sys.exit(f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise update_freq "
                  f"to keep the same tokens per update, or recompute with checkpoint_activations=True")
-    P.all_reduce_grads(raw_model) if ddp and cuda_graphs else None  # DDP's hooks see no graph replay
+    P.all_reduce_grads(train_model) if ddp and cuda_graphs else None  # DDP's hooks see no graph replay
+    for p, q in zip(raw_model.parameters(), train_model.parameters()) if master_weights else []:
+        p.grad, q.grad = q.grad.float(), None  # the float32 model takes the gradients (master_weights)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip_grad or math.inf)
     # A non-finite norm (all-reduced: every rank agrees) skips the update, as the fp16 grad scaler does.
@@ -396,6 +395,8 @@ while step < max_steps:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    if master_weights:  # and the copy in dtype its new weights
+        torch._foreach_copy_([q.detach() for q in train_model.parameters()], list(raw_model.parameters()))
     bad_run = (bad_run + 1) * bad
     worst_run, skipped = torch.maximum(worst_run, bad_run), skipped + bad
     tokens_since += ntok_update
@@ -443,8 +444,7 @@ log(f"averaged {len(newest)} checkpoint(s) into {os.path.join(out_dir, 'ckpt.pt'
 evaluate(final=True)
 log(f"done: step {step}, {(time.time() - t_start) / 60:.1f} min"
     + (f', best valid BLEU {best_bleu:.2f}' if best_bleu >= 0 else ''))
-if ddp:
-    dist.barrier()  # no rank leaves while another still uses the process group
-    # A Gloo thread may still release the last collective's tensors: at Python's shutdown it aborts the run.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+dist.barrier() if ddp else None  # no rank leaves while another still uses the process group
+# Python's shutdown takes a second (torch's objects freed one by one) and, under DDP, a Gloo thread that still
+# releases the last collective's tensors aborts it: leave at once.
+sys.stdout.flush(), sys.stderr.flush(), os._exit(0)

@@ -7,6 +7,7 @@ WMT-like batches, in several variants in one process, the rounds alternating; me
     graphs   packed to a fixed size, the model's forward and backward replayed as CUDA graphs (one per shape)
     eager-graphs   the same without torch.compile
     bf16, graphs-bf16   padded or graphs with the weights in bf16 and no autocast: what the casts cost at most
+    master, graphs-master   the same on a bf16 copy, Adam on the float32 weights (train.py's master_weights)
     old      another version's model.py (--old), padded
     git show e1c7854:model.py > .gpu_data/model_old.py     # an ignored folder that the device call carries
     python3 docs/gpu_ab.py --variants padded,packed,graphs --batch-tokens 25000 4096 [--old F] [--profile]
@@ -14,6 +15,7 @@ MFU counts the padded batches' matmul FLOPs (bench.flops_per_step) for every var
 faster. Measurements, not a test: one process on the GPU (on a CPU: a check that it runs, tiny).
 """
 import argparse
+import copy
 import importlib.util
 import os
 import statistics
@@ -67,13 +69,15 @@ def packed_batches(batches, size=None, max_len=None):  # on the host, as train.p
 def trainer(lib, name, compiled=True):
     """-> steps(batches): lib's model trained as bench.py's compiled row, on the variant's batches."""
     torch.manual_seed(0)
-    model = lib.Transformer(cfg).to(dev).train()
-    bf16 = name.endswith('bf16')  # weights in bf16, no autocast: the casts' bound (no float32 master copy)
+    weights = model = lib.Transformer(cfg).to(dev).train()  # weights: Adam's
+    bf16 = name.endswith(('bf16', 'master'))  # weights in bf16, no autocast: the casts' bound, or
+    master = name.endswith('master')  # as train.py's master_weights: Adam's weights in float32
+    model = copy.deepcopy(weights).to(torch.bfloat16) if master else weights
     model.to(torch.bfloat16) if bf16 and dev.type == 'cuda' else None
     for layer in [*model.encoder, *model.decoder] if compiled else []:
         layer.compile(dynamic=True)
     chunk_fn = torch.compile(lib.loss_chunk, dynamic=True) if compiled else lib.loss_chunk
-    opt = torch.optim.Adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, fused=dev.type == 'cuda')
+    opt = torch.optim.Adam(weights.parameters(), 1e-4, (0.9, 0.98), 1e-9, fused=dev.type == 'cuda')
     graphed = P.Graphed(model)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == 'cuda' and not bf16,
                               cache_enabled=False)
@@ -89,8 +93,12 @@ def trainer(lib, name, compiled=True):
                 x = forward(src, tgt_in, rows, *packed)
                 loss, _ = lib.label_smoothed_loss(x, model.embed.weight, targets, 0.1, chunk_fn)
             (loss / len(targets)).backward()
+            for p, q in zip(weights.parameters(), model.parameters()) if master else []:
+                p.grad, q.grad = q.grad.float(), None
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if master:
+                torch._foreach_copy_([q.detach() for q in model.parameters()], list(weights.parameters()))
     steps.graphs = graphed.graphs
     return steps
 
@@ -105,8 +113,8 @@ for tokens in args.batch_tokens:
     kinds = {'padded': [to_dev(b) for b in padded], 'old': [to_dev(b) for b in padded],
              'packed': packed_batches(padded),
              'graphs': packed_batches(padded, tokens + max_len, max_len)}
-    kinds['eager-graphs'] = kinds['graphs-bf16'] = kinds['graphs']
-    kinds['bf16'] = kinds['padded']
+    kinds['eager-graphs'] = kinds['graphs-bf16'] = kinds['graphs-master'] = kinds['graphs']
+    kinds['bf16'] = kinds['master'] = kinds['padded']
     runs = {}
     for name in variants:
         if 'graphs' in name and tokens > args.graphs_max_tokens:

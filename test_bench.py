@@ -93,12 +93,12 @@ def test_batches_go_on_into_the_next_epoch_when_one_is_short(prepared):
     assert len(batches) == n + 2 and [len(b[0]) for b in batches[n:]] == list(map(len, second))
 
 
-@pytest.mark.parametrize('real', [False, True])
-def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(prepared, real):
+def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(prepared):
     # On a data folder: its vocabulary and ids, and both dtypes (bf16 where native: emulated takes minutes).
+    # Synthetic batches run in test_gpu.py's CPU test of gpu_check.py (its 'bench tiny' stages).
     fast = data_prep.fast_dtype('cpu')
-    dtypes = ['float32'] + [fast] * (fast != 'float32') if real else [fast]
-    argv = [*TINY, '--profile'] + (['--data', prepared[0], '--dtype', *dtypes] if real else [])
+    dtypes = ['float32'] + [fast] * (fast != 'float32')
+    argv = [*TINY, '--profile', '--data', prepared[0], '--dtype', *dtypes]
     res = subprocess.run([sys.executable, 'bench.py', *argv], cwd=bench.HERE, capture_output=True, text=True,
                          env={**os.environ, 'OMP_NUM_THREADS': '1'}, timeout=300, check=True)  # a smoke test
     r = json.loads(res.stdout)
@@ -114,8 +114,7 @@ def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(prepared, r
     rows += [(s, f'CT2 {q}') for q in ('float32', 'int8') for s in ('greedy', 'beam 4')] if CT2 else []
     assert [(d['search'], d['impl']) for d in r['decode']] == rows
     assert all(d['sents_per_s'] > 0 for d in r['decode'])
-    ids = {**IDS, 'vocab_size': 504} if real else {}  # rounded up to a multiple of 8, as train.py does
-    cfg = M.Config(**{**bench.CONFIGS['tiny'], **ids})
+    cfg = M.Config(**{**bench.CONFIGS['tiny'], **IDS, 'vocab_size': 504})  # as train.py rounds it
     assert r['model_cfg'] == dataclasses.asdict(cfg) and r['params'] == count(M.Transformer(cfg))
 
 

@@ -298,14 +298,16 @@ def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(dat
 
 
 def test_a_used_out_dir_is_refused_unless_overwrite_which_waits_for_every_input(run, data_dir, tmp_path):
-    out = copy_run(run, tmp_path)
-    res = train(['--max_steps=2'], out, data_dir, ok=False)
-    assert str(out) in res.stderr and '--init_from=resume' in res.stderr and '--overwrite=True' in res.stderr
-    train(['--max_steps=1', '--overwrite=True'], out, tmp_path / 'typo', ok=False)  # a mistake found later
-    train(
-        ['--max_steps=1', '--overwrite=True', '--update_freq=1000'], out, data_dir, ok=False
-    )  # too few batches
-    assert len(records(out, 'loss')) == 6 and os.path.exists(out / 'ckpt.pt')
+    outs = [tmp_path / str(i) for i in range(3)]  # each its own copy: the refusals run at once
+    for out in outs:
+        shutil.copytree(run[0], out)
+    # The used out_dir, then --overwrite with a mistake found later (a typo, too few batches): each refused.
+    err, _, _ = refused((['--max_steps=2'], outs[0], data_dir),
+                        (['--max_steps=1', '--overwrite=True'], outs[1], tmp_path / 'typo'),
+                        (['--max_steps=1', '--overwrite=True', '--update_freq=1000'], outs[2], data_dir))
+    assert str(outs[0]) in err and '--init_from=resume' in err and '--overwrite=True' in err
+    assert all(len(records(out, 'loss')) == 6 and os.path.exists(out / 'ckpt.pt') for out in outs)
+    out = outs[0]
     # Fine-tuning from this out_dir's own checkpoint into it, starting over.
     train(['--max_steps=1', '--overwrite=True', f'--init_from={out / "ckpt.pt"}'], out, data_dir)
     assert [r['step'] for r in records(out, 'loss')] == [1]

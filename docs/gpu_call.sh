@@ -17,13 +17,13 @@ stage() {  # stage NAME SECONDS COMMAND...: its output to $OUT/NAME.log, its tim
 }
 stage device 15 sh -c 'nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
     python3 -c "import torch; print(torch.__version__)"; git log --oneline -1'
-stage ab_4096 130 python3 docs/gpu_ab.py --variants padded,master,graphs,graphs-master --batch-tokens 4096 \
+stage ab_4096 125 python3 docs/gpu_ab.py --variants padded,master,graphs,graphs-master --batch-tokens 4096 \
     --profile
-stage ab_25000 100 python3 docs/gpu_ab.py --variants padded,master --batch-tokens 25000
+stage ab_25000 90 python3 docs/gpu_ab.py --variants padded,master --batch-tokens 25000
 T="config/wmt_base.py --data_dir=.gpu_data/multi30k_en_de --max_tokens=4096 --compile=True --cuda_graphs=True
    --max_steps=200 --log_interval=50 --eval_interval=0 --bleu_interval=-1 --save_interval=0 --overwrite=True"
 for m in False True; do
-    stage "train_master_$m" 45 python3 train.py $T --master_weights=$m --out_dir=/tmp/gpu_call_run
+    stage "train_master_$m" 60 python3 train.py $T --master_weights=$m --out_dir=/tmp/gpu_call_run
 done
-stage tests 80 python3 -m pytest -q -p no:cacheprovider test_gpu.py -k "one_process or nccl"
+stage tests 60 python3 -m pytest -q -p no:cacheprovider test_gpu.py -k nccl
 grep -h -E "ms/step|^step (100|200) |valid_loss|passed|failed" "$OUT"/*.log | tee -a "$OUT/summary.txt"

@@ -526,7 +526,7 @@ def test_compiled_training_does_not_recompile_per_batch_shape(data_dir, tmp_path
     # train.py must not compile per shape, nor fall back to eager at dynamo's recompile limit (an error here).
     # The backend is dynamo's 'eager': capture and guards, which decide recompiles, are inductor's too.
     wrapper = (
-        "import os, runpy, sys, torch\n"
+        "import runpy, sys, torch\n"
         "from torch._dynamo.utils import counters\n"
         "torch._dynamo.config.fail_on_recompile_limit_hit = True\n"
         "compile, module_compile = torch.compile, torch.nn.Module.compile\n"

@@ -4,9 +4,10 @@
 # with and without CUDA graphs; train.py with both on Multi30k; the GPU tests not yet run on a GPU.
 # Prepared on the CPU: python data_prep.py multi30k --src en --tgt de --out .gpu_data/multi30k_en_de
 # The call (device tool): command `bash docs/gpu_call.sh`, carry [".gpu_data"], timeout_s 420.
-# Each stage has its own time limit; every log lands in $OUT (the device tool's folder, else /tmp/gpu_call).
+# Each stage has its own time limit; its log lands in $OUT (the device tool's folder, else a temporary one).
 set -u
-OUT=${OUT:-/tmp/gpu_call}
+OUT=${OUT:-$(mktemp -d)}
+RUNS=$(mktemp -d)  # train.py's checkpoints: not brought back
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 stage() {  # stage NAME SECONDS COMMAND...: its output to $OUT/NAME.log, its time and status to summary.txt
@@ -23,7 +24,8 @@ stage ab_25000 90 python3 docs/gpu_ab.py --variants padded,master --batch-tokens
 T="config/wmt_base.py --data_dir=.gpu_data/multi30k_en_de --max_tokens=4096 --compile=True --cuda_graphs=True
    --max_steps=200 --log_interval=50 --eval_interval=0 --bleu_interval=-1 --save_interval=0 --overwrite=True"
 for m in False True; do
-    stage "train_master_$m" 60 python3 train.py $T --master_weights=$m --out_dir=/tmp/gpu_call_run
+    stage "train_master_$m" 60 python3 train.py $T --master_weights=$m --out_dir="$RUNS/run"
 done
 stage tests 60 python3 -m pytest -q -p no:cacheprovider test_gpu.py -k nccl
 grep -h -E "ms/step|^step (100|200) |valid_loss|passed|failed" "$OUT"/*.log | tee -a "$OUT/summary.txt"
+echo "logs and summary.txt in $OUT"

@@ -30,8 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import configurator
-import data_prep
+import dataset
 import model as M
+import speed
 import translate as T
 
 # Configs beyond model.preset: 'small' is Multi30k-sized (what one trains on a laptop), 'tiny' is for tests.
@@ -65,7 +66,7 @@ def flops_per_step(cfg, B, S, T, tokens=None):
 
 
 def synthetic_split(n, vocab, seed=0, median=25, cap=250):
-    """n random pairs in data_prep.load_split's format. Subword sentence lengths are roughly lognormal (WMT14
+    """n random pairs in dataset.load_split's format. Subword sentence lengths are roughly lognormal (WMT14
     en-de: median ~25, a long right tail), the target's the source's +-15%; ids avoid the three specials."""
     rng = np.random.default_rng(seed)
     src_len = np.clip(rng.lognormal(math.log(median), 0.5, n).round(), 1, cap).astype(np.int64)
@@ -77,8 +78,8 @@ def synthetic_split(n, vocab, seed=0, median=25, cap=250):
 def make_batches(data, cfg, batch_tokens, n, device):
     """The first n batches of train.py's epochs over data (seed 0; a short corpus goes on to its next epoch),
     as get_batch makes them: -> [(src, tgt_in, the real target tokens' rows, their targets)] on device."""
-    plans = (ids for epoch in range(n) for ids in data_prep.batch_plan(data, batch_tokens, 0, epoch))
-    collate = lambda ids: data_prep.collate(data, ids, cfg.pad_id, cfg.bos_id, cfg.eos_id)
+    plans = (ids for epoch in range(n) for ids in dataset.batch_plan(data, batch_tokens, 0, epoch))
+    collate = lambda ids: dataset.collate(data, ids, cfg.pad_id, cfg.bos_id, cfg.eos_id)
     return [tuple(torch.from_numpy(a).to(device) for a in collate(ids)) for _, ids in zip(range(n), plans)]
 
 
@@ -131,7 +132,7 @@ def bench_train(cfg, impl, compiled, dtype, batches, warmup, device, profile=Fal
     torch.manual_seed(0)
     model = (M.Transformer if impl == 'ours' else Builtin)(cfg).to(device).train()
     if impl == 'ours' and device.type == 'cpu':  # train.py's step exactly: its dropout mask, fused Adam
-        data_prep.cpu_dropout(model)
+        speed.cpu_dropout(model)
     for layer in [*model.encoder, *model.decoder] if compiled else []:  # as train.py: per layer (identical
         layer.compile(dynamic=True)  # layers share a graph: compile time does not grow with depth), and
     chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compiled else M.loss_chunk  # the loss's chunks
@@ -163,6 +164,7 @@ def ct2_runs(model, src, beam, out_len, device):
     if not importlib.util.find_spec('ctranslate2'):
         return []
     import ctranslate2
+
     import export_ct2
     tmp, runs = tempfile.TemporaryDirectory(), []
     rows = [[str(t) for t in row[:-1]] for row in src.tolist()]  # the export adds EOS
@@ -306,19 +308,19 @@ def main(argv=None):
     t_start, load, device = time.perf_counter(), os.getloadavg()[0], torch.device(args.device)
     cuda = device.type == 'cuda'
     args.warmup = args.warmup if args.warmup is not None else 30 if cuda else 1
-    args.dtype = args.dtype or [data_prep.fast_dtype(device.type)]
+    args.dtype = args.dtype or [speed.fast_dtype(device.type)]
     if cuda:  # TF32 matmuls; no cuDNN attention, which plans anew for each batch shape (docs/performance.md)
         torch.set_float32_matmul_precision('high')
         torch.backends.cuda.enable_cudnn_sdp(False)
     else:  # as train.py does (translate.py keeps the flash kernel)
-        data_prep.keep_freed_memory()
+        speed.keep_freed_memory()
         torch.backends.cuda.enable_flash_sdp('bfloat16' not in args.dtype)
     cfg = M.Config(**{**CONFIGS, **M.PRESETS}[args.config])
     if args.data:  # the vocabulary rounded up to a multiple of 8, as train.py does
-        meta = data_prep.load_meta(args.data)
+        meta = dataset.load_meta(args.data)
         cfg = dataclasses.replace(cfg, vocab_size=(meta['vocab_size'] + 7) // 8 * 8,
                                   **{k: meta[k] for k in ('pad_id', 'bos_id', 'eos_id')})
-        data = data_prep.load_split(args.data, 'train')
+        data = dataset.load_split(args.data, 'train')
     else:  # about twice the sentences of ~25 tokens that the batches need
         data = synthetic_split((args.warmup + args.steps) * args.batch_tokens // 12 + 64, cfg.vocab_size)
     batches = make_batches(data, cfg, args.batch_tokens, args.warmup + args.steps, device)

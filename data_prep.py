@@ -11,8 +11,6 @@ scripts read, batch and write their files through it too.
 import argparse
 import base64
 import contextlib
-import ctypes
-import glob
 import gzip
 import hashlib
 import itertools
@@ -21,16 +19,16 @@ import os
 import re
 import sys
 import tarfile
-import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import requests
-import tiktoken
-import torch
 import urllib3
+
+import checkpoint
+import dataset
 
 # Per split, (URL, member of the archive or None); {lang}: the side's language, {role}: src or ref.
 MULTI30K = 'https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/'
@@ -139,8 +137,8 @@ def fetch(url, mirror, download_dir):
     if local:
         sys.exit(f'error: {name} is not in the mirror folder {mirror}')
     url = mirror.rstrip('/') + '/' + name if mirror else url
-    make_writable(download_dir, '--download-dir')
-    with locked(download_dir, 'downloading into'):  # en-de and en-fr share files: one .part, one writer
+    checkpoint.make_writable(download_dir, '--download-dir')
+    with checkpoint.locked(download_dir, 'downloading into'):  # en-de and en-fr share files: one .part, one writer
         return path if os.path.exists(path) else download(url, path)  # (or another run got it meanwhile)
 
 def label(src):  # a (path, member) source for messages
@@ -199,99 +197,13 @@ def train_tokenizer(texts, vocab_size, name):
 def given_tokenizer(source):
     """--tokenizer: that of a tokenizer.json, a data folder or a checkpoint (to fine-tune it, on its ids)."""
     try:
-        tok = (read_tokenizer(source) if os.path.isdir(source) or source.endswith('.json') else
-               checkpoint_tokenizer(source, read_checkpoint(source, ('tokenizer',))))
-        load_tokenizer(tok)
+        tok = (dataset.read_tokenizer(source) if os.path.isdir(source) or source.endswith('.json') else
+               checkpoint.checkpoint_tokenizer(source, checkpoint.read_checkpoint(source, ('tokenizer',))))
+        dataset.load_tokenizer(tok)
         return tok
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         sys.exit(f'error: --tokenizer {source}: not a tokenizer of data_prep.py ({type(e).__name__}: {e})')
 
-def same_tokenizer(a, b):  # the name is a label (the data folder's): pattern, merges and specials are all
-    return {k: v for k, v in a.items() if k != 'name'} == {k: v for k, v in b.items() if k != 'name'}
-
-def tokenizer_dict(data_dir):  # the tokenizer of a prepared directory as a dict (checkpoints embed it)
-    return read_json(os.path.join(data_dir, 'tokenizer.json'))
-
-def read_json(path):
-    with open(path, encoding='utf-8') as f:
-        try:
-            return json.load(f)
-        except ValueError as e:  # which file, not only where in it
-            raise ValueError(f"{path}: {e}") from None
-
-def read_tokenizer(source):  # the dict of a tokenizer given as one, a tokenizer.json or a prepared folder
-    return source if isinstance(source, dict) else tokenizer_dict(source) if os.path.isdir(source) else \
-        read_json(source)
-
-def load_tokenizer(path_or_dict):
-    """tiktoken.Encoding from a tokenizer dict, a tokenizer.json, or a prepared data directory."""
-    d = read_tokenizer(path_or_dict)
-    return tiktoken.Encoding(name=d.get('name', 'data_prep'), pat_str=d['pattern'],
-                             mergeable_ranks={base64.b64decode(b): r for b, r in d['ranks']},
-                             special_tokens=dict(d['special_tokens']))
-
-def load_meta(data_dir):  # meta.json: languages, vocabulary size, special ids, token dtype, split sizes
-    return read_json(os.path.join(data_dir, 'meta.json'))
-
-def load_split(data_dir, split):
-    """-> memory-mapped src tokens, src offsets, tgt tokens, tgt offsets; sentence i: tokens[o[i]:o[i + 1]]"""
-    damaged = f'error: {data_dir} is incomplete or damaged ({split}'
-    try:
-        meta, sides = load_meta(data_dir), []
-        for lang in (meta['src'], meta['tgt']):
-            path = os.path.join(data_dir, f'{split}.{lang}.bin')  # no bytes: a side of empty lines
-            sides += [np.memmap(path, dtype=meta['dtype'], mode='r') if os.path.getsize(path) else
-                      np.zeros(0, meta['dtype']), np.fromfile(path[:-3] + 'idx', dtype=np.int64)]
-    except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a dtype numpy does not know
-        sys.exit(f'{damaged}: {e}): prepare it again with data_prep.py')
-    for lang, tokens, offsets in ((meta['src'], *sides[:2]), (meta['tgt'], *sides[2:])):  # cut short, say
-        if (len(offsets) != len(sides[1]) or len(offsets) == 0 or offsets[0] != 0
-                or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any()):
-            sys.exit(f'{damaged}.{lang}.idx does not match {split}.{meta["src"]}.idx or the {len(tokens)} '
-                     f'tokens of {split}.{lang}.bin): prepare it again with data_prep.py')
-    return tuple(sides)
-
-def token_batches(sizes, order, max_tokens):
-    """fairseq's batches: runs of `order` (indices into sizes, sorted by length) of count x largest size <=
-    max_tokens, or of one item."""
-    order = np.asarray(order, dtype=np.int64)
-    batches, start, biggest = [], 0, 0
-    for i, size in enumerate(np.asarray(sizes)[order].tolist()):
-        if i > start and (i + 1 - start) * max(biggest, size) > max_tokens:
-            batches.append(order[start:i])
-            start, biggest = i, 0
-        biggest = max(biggest, size)
-    return batches + [order[start:]] if len(order) else batches
-
-def pair_sizes(data):
-    """The padded tokens a pair of a split from load_split takes per side: its longer side + EOS (or BOS)."""
-    _, src_idx, _, tgt_idx = data
-    return np.maximum(np.diff(src_idx), np.diff(tgt_idx)) + 1
-
-def batch_plan(data, max_tokens, seed, epoch, shuffle=True):
-    """train.py's batches of an epoch, as fairseq's: pairs shuffled, stably sorted by length, filled up to
-    max_tokens padded tokens, the batches shuffled; the same on every rank."""
-    size, rng = pair_sizes(data), np.random.default_rng([seed, epoch])
-    order = rng.permutation(len(size)) if shuffle else np.arange(len(size))
-    order = order[np.argsort(size[order], kind='stable')]
-    batches = token_batches(size, order[size[order] <= max_tokens], max_tokens)  # longer ones fit no batch
-    return [batches[i] for i in rng.permutation(len(batches))] if shuffle else batches
-
-def collate(data, ids, pad_id, bos_id, eos_id):
-    """Pairs ids of load_split's split -> int64 src (+ EOS), tgt_in (BOS +) padded to their longest row, the
-    real tokens' rows of the B * T target positions and their targets (+ EOS); one gather per side."""
-    src_tok, src_idx, tgt_tok, tgt_idx = data
-    ids, rows = np.asarray(ids, dtype=np.int64), np.arange(len(ids))
-    def side(tok, idx):  # each row's tokens, padded to the longest + 1; and the lengths
-        start, n = idx[ids], idx[ids + 1] - idx[ids]
-        cols = np.arange(n.max() + 1)
-        at = np.minimum(start[:, None] + cols, max(len(tok) - 1, 0))
-        return np.where(cols < n[:, None], tok[at] if len(tok) else 0, pad_id).astype(np.int64), n
-    (src, n_src), (tgt, n_tgt) = side(src_tok, src_idx), side(tgt_tok, tgt_idx)
-    tgt_in = np.concatenate([np.full((len(ids), 1), bos_id, np.int64), tgt[:, :-1]], axis=1)
-    src[rows, n_src], tgt[rows, n_tgt] = eos_id, eos_id
-    real = np.flatnonzero(np.arange(tgt.shape[1]) <= n_tgt[:, None])  # the loss sees those alone
-    return src, tgt_in, real, tgt.reshape(-1)[real]
 
 def clean_mask(ls, lt, max_len, max_ratio):
     """Moses' clean-corpus-n on token counts, as there with no exception for short pairs (1:2 is a ratio of 2)
@@ -326,7 +238,7 @@ def write_split(out, split, files, enc, langs, workers, max_len=0, max_ratio=0, 
     raw, dropped = 0, dict.fromkeys(('empty', 'too_long', 'ratio'), 0)
     lengths, t0, pairs = [[np.zeros(0, np.int32)] for _ in langs], time.time(), read_pairs(files, expect)
     with contextlib.ExitStack() as stack:
-        out_files = {f'{lang}.{ext}': stack.enter_context(atomic(os.path.join(out, f'{split}.{lang}.{ext}')))
+        out_files = {f'{lang}.{ext}': stack.enter_context(checkpoint.atomic(os.path.join(out, f'{split}.{lang}.{ext}')))
                      for lang in langs for ext in ('bin', 'idx', 'txt')[:3 - train]}
         while batch := list(itertools.islice(pairs, chunk)):
             sides = list(zip(*batch))
@@ -352,135 +264,9 @@ def write_split(out, split, files, enc, langs, workers, max_len=0, max_ratio=0, 
                  + ', '.join(f'{label(s)} / {label(t)}' for s, t in files))
     return {'raw': raw, 'pairs': kept, 'tokens': tokens, 'dropped': dropped}
 
-def make_writable(folder, option):
-    """Create folder if need be and check that it takes files: else a one-line error naming the option."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()  # a name of its own: two runs may check one folder at once
-    except OSError as e:
-        sys.exit(f'error: {option} {folder} cannot be created or written: {e.strerror}')
-
-def temporary(path):
-    """A new, empty file beside path with a name of its own (PATH.RANDOM.tmp), to be renamed to path."""
-    tmp = f'{path}.{os.urandom(4).hex()}.tmp'
-    open(tmp, 'xb').close()  # 'x': never another's; and as readable as the umask allows, as path will be
-    return tmp
-
-@contextlib.contextmanager
-def atomic(path):
-    """A file to write path through: fsynced and renamed to path when the block ends, removed if it fails;
-    so a crash or a full disk never leaves a truncated file as path."""
-    tmp = temporary(path)
-    try:
-        with open(tmp, 'wb') as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())  # before the rename, or a power cut can leave path on unwritten blocks
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise
-
-def save_atomic(obj, path):
-    with atomic(path) as f:
-        torch.save(obj, f)
-
-def write_json(path, obj):
-    with atomic(path) as f:
-        f.write(json.dumps(obj, ensure_ascii=False, indent=1).encode('utf-8'))
-
-def lock_folder(folder, busy=None):
-    """flock folder till the fd returned closes or the process ends; held: print busy and wait, or raise."""
-    import fcntl  # POSIX only: importing this module must work everywhere
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        if busy is None:
-            os.close(fd)
-            raise
-        print(busy, flush=True)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-def locked(folder, doing):
-    """Keep other data_prep.py runs, which would delete or rename our temporary files, out of folder."""
-    stack = contextlib.ExitStack()
-    stack.callback(os.close, lock_folder(folder, f'another data_prep.py is {doing} {folder}: waiting for it'))
-    return stack
 
 # --- checkpoints: what train.py writes and translate.py, export_ct2.py and plot.py read ----------
 
-def fail(msg):  # named after the running script: every script reads checkpoints through these
-    raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {msg}")
-
-def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
-    if not os.path.isfile(path):
-        fail(f"{path} is a folder: give a checkpoint file in it, or --average-last N to average its newest "
-             "ckpt_STEP.pt" if os.path.isdir(path) else f"checkpoint {path} not found")
-    try:  # weights_only: our checkpoints hold only tensors and plain containers, and loading runs no code
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:
-        fail(f"cannot read checkpoint {path}: not a checkpoint, or a damaged one ({type(e).__name__})")
-    if missing := [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]:
-        fail(f"{path} is not a model checkpoint: missing {', '.join(missing)}")
-    return ckpt
-
-def checkpoint_tokenizer(path, ckpt):
-    """The tokenizer dict of a checkpoint: embedded, or the file or data folder it names (maybe relative)."""
-    tok = ckpt['tokenizer']
-    if isinstance(tok, str) and not os.path.exists(tok):
-        tok = os.path.join(os.path.dirname(path), tok)
-    try:
-        return read_tokenizer(tok)
-    except (OSError, ValueError, TypeError) as e:
-        fail(f"{path}: cannot read its tokenizer {tok}: {e}")
-
-def checkpoints(folder, prefix='ckpt'):
-    """{prefix}_STEP.pt in folder by step: train.py's weight snapshots (ckpt) or training states (state)."""
-    found = sorted((int(m[1]), p) for p in glob.glob(os.path.join(glob.escape(folder), f'{prefix}_*.pt'))
-                   if (m := re.fullmatch(rf'{prefix}_(\d+)\.pt', os.path.basename(p))))
-    return [p for _, p in found]
-
-def average_checkpoints(paths):
-    """Section 6.1: the checkpoints' mean weights (in float64), refused for checkpoints of different runs."""
-    total, first = {}, None
-    for p in paths:
-        ckpt = read_checkpoint(p, keys=('model',))
-        first = first or ckpt
-        if ckpt.get('tokenizer') != first.get('tokenizer'):
-            fail(f"{p}: its tokenizer differs from that of {paths[0]}: not checkpoints of one run")
-        cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}  # older ones lack newer fields
-        diff = sorted(k for k in cfg.keys() & cfg0.keys() if cfg[k] != cfg0[k] and 'dropout' not in k)
-        if diff or ckpt['model'].keys() != first['model'].keys():  # dropout: a training setting
-            fail(f"{p}: its model differs from that of {paths[0]} ({', '.join(diff) or 'parameters'})")
-        for k, v in ckpt['model'].items():
-            total[k] = total[k] + v.double() if k in total else v.double()
-    return {k: (v / len(paths)).to(first['model'][k].dtype) for k, v in total.items()}
-
-def fast_dtype(device_type):
-    """'bfloat16' where bf16 matrix multiply is native (GPUs since Ampere, AVX512-BF16 or AMX), else
-    'float32': an AVX2-only CPU emulates bf16 at many times the cost (docs/performance.md)."""
-    if device_type == 'cuda':
-        return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
-    isas = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False) for isa in ('avx512_bf16', 'amx_tile')]
-    return 'bfloat16' if device_type == 'cpu' and any(f() for f in isas) else 'float32'
-
-def keep_freed_memory(keep=True):
-    """Keep freed memory (a batch's logits) in the process, not faulted in again page by page (glibc gives
-    blocks over 32 MB back to the OS; docs/performance.md); keep=False gives back each freed block of 8 MB or
-    more at once: a lower peak, paid in page faults (checkpoint_activations). -> False without glibc."""
-    with contextlib.suppress(OSError):  # glibc's M_MMAP_MAX, M_TRIM_THRESHOLD; M_MMAP_THRESHOLD
-        opts = [(-4, 0), (-1, 2 ** 30)] if keep else [(-3, 2 ** 23)]
-        return all(ctypes.CDLL('libc.so.6').mallopt(*o) for o in opts)
-    return False
-
-def cpu_dropout(model):  # nn.Dropout's CPU mask (bernoulli_) takes twice rand_like's time: performance.md
-    def forward(self, x):  # the draws in float32: bf16 would round p
-        keep = torch.rand_like(x, dtype=torch.float32) >= self.p if self.training and self.p > 0 else None
-        return x if keep is None else x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
-    for m in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:
-        m.forward = forward.__get__(m)
 
 def source_files(args, key):
     """-> {split: [((path, member), (path, member)), ...]} with every remote file fetched first."""
@@ -505,7 +291,7 @@ def source_files(args, key):
 def prepare(args, key):
     given = given_tokenizer(args.tokenizer) if args.tokenizer else None
     vocab_size, out = len(given['ranks']) if given else args.vocab_size or DEFAULT_VOCAB[key], args.out
-    make_writable(out, '--out')  # before any download or BPE: an --out that is a file fails at once
+    checkpoint.make_writable(out, '--out')  # before any download or BPE: an --out that is a file fails at once
     files = source_files(args, key)
     paths = sorted({p for fs in files.values() for pair in fs for p, _ in pair})
     settings = {'corpus': args.corpus, 'src': args.src, 'tgt': args.tgt, 'vocab_size': vocab_size,
@@ -516,9 +302,9 @@ def prepare(args, key):
     if given:  # by content: another tokenizer of the same size is another encoding
         merges = json.dumps({k: v for k, v in given.items() if k != 'name'}, sort_keys=True)
         settings['tokenizer'] = hashlib.sha256(merges.encode()).hexdigest()
-    with locked(out, 'writing'):  # from the check of meta.json to writing it: one run at a time
+    with checkpoint.locked(out, 'writing'):  # from the check of meta.json to writing it: one run at a time
         with contextlib.suppress(OSError, ValueError, AttributeError):  # no meta.json, or a damaged one
-            if (meta := load_meta(out)).get('settings') == settings and not args.force:
+            if (meta := dataset.load_meta(out)).get('settings') == settings and not args.force:
                 print(f'{out} is already prepared with these settings (--force to redo it)')
                 return meta
         for f in os.listdir(out):  # meta.json marks a finished folder; a killed run's leftovers go too
@@ -536,8 +322,8 @@ def prepare(args, key):
                 yield from (text for text in map(str.strip, pair) if text)
             print(f'BPE: read in {time.time() - t0:.0f}s; learning {vocab_size - 256} merges', flush=True)
         tok = given or train_tokenizer(texts(), vocab_size, f'{args.corpus}_{args.src}_{args.tgt}')
-        write_json(os.path.join(out, 'tokenizer.json'), tok)
-        enc, bpe_seconds, specials = load_tokenizer(tok), time.time() - t0, tok['special_tokens']
+        checkpoint.write_json(os.path.join(out, 'tokenizer.json'), tok)
+        enc, bpe_seconds, specials = dataset.load_tokenizer(tok), time.time() - t0, tok['special_tokens']
         print(f'BPE: {len(tok["ranks"])} tokens of {vocab_size} asked (+ {len(SPECIALS)} specials), '
               + (f'of --tokenizer {args.tokenizer}' if given else f'learned in {bpe_seconds:.1f}s'))
         st = {split: write_split(out, split, files[split], enc, (args.src, args.tgt), args.workers,
@@ -550,7 +336,7 @@ def prepare(args, key):
                 'raw_pairs': {k: s['raw'] for k, s in st.items()}, 'dropped': st['train']['dropped'],
                 'max_len': args.max_len, 'max_ratio': args.max_ratio, 'bpe_seconds': round(bpe_seconds, 2),
                 'seconds': round(time.time() - t0, 2), 'settings': settings}
-        write_json(os.path.join(out, 'meta.json'), meta)  # last: its presence says the folder is complete
+        checkpoint.write_json(os.path.join(out, 'meta.json'), meta)  # last: its presence says the folder is complete
         print(f'wrote {out} in {meta["seconds"]:.1f}s: vocab {enc.n_vocab}, {st["train"]["pairs"]} pairs')
         return meta
 
@@ -593,7 +379,7 @@ def main(argv=None):
     args.out = args.out or os.path.join('data', f'{args.corpus}_{args.src}_{args.tgt}')
     try:
         return prepare(args, key)
-    except OSError as e:  # a full disk, most likely; atomic() has removed its temporary files
+    except OSError as e:  # a full disk, most likely; checkpoint.atomic() has removed its temporary files
         sys.exit(f'error: writing {args.out}: {e.strerror or e}')
 
 if __name__ == '__main__':

@@ -7,7 +7,7 @@ Export a checkpoint to a CTranslate2 model directory, for fast CPU/GPU serving (
 
 The weights go through CTranslate2's own model specification (ctranslate2.specs.TransformerSpec), as its
 fairseq and OpenNMT-py converters do; the directory holds model.bin, config.json, shared_vocabulary.json,
-and besides them tokenizer.json (data_prep's format) and export_ct2.json (our Config, the source
+and besides them tokenizer.json (data_prep's format) and json (our Config, the source
 checkpoints, the quantization), so that translate.py applies the same rules as with the checkpoint.
 
 Vocabulary: a token's string is its id in decimal ("0", "1", ...), except the specials, which keep their
@@ -30,13 +30,15 @@ import shutil
 import sys
 
 import ctranslate2
-from ctranslate2.specs import common_spec
-from ctranslate2.specs import model_spec
-from ctranslate2.specs import transformer_spec
+import torch
+from ctranslate2.specs import common_spec, model_spec, transformer_spec
 
-import data_prep
-import translate as T
-from data_prep import fail
+import checkpoint
+import dataset
+import model as M
+from checkpoint import fail
+
+CT2_MARKER = 'export_ct2.json'  # our Config and provenance, next to CTranslate2's model.bin
 
 
 def array(t):
@@ -110,7 +112,7 @@ def build_spec(model):
 
 # What an export's folder holds: CTranslate2's files (a shared vocabulary, or one per side) and ours.
 EXPORT_FILES = {'model.bin', 'config.json', 'shared_vocabulary.json', 'source_vocabulary.json',
-                'target_vocabulary.json', 'tokenizer.json', T.CT2_MARKER}
+                'target_vocabulary.json', 'tokenizer.json', CT2_MARKER}
 
 
 def export(model, tokenizer, out, quantization='none', force=False, info=None):
@@ -118,7 +120,7 @@ def export(model, tokenizer, out, quantization='none', force=False, info=None):
     out = os.path.normpath(out)  # out/ names the folder, not a place inside it for the temporary one
     if os.path.exists(out):
         # What --force would refuse first: advising --force where it cannot help only sends the user round.
-        if not os.path.isfile(os.path.join(out, T.CT2_MARKER)):
+        if not os.path.isfile(os.path.join(out, CT2_MARKER)):
             fail(f"{out} exists and is not an export of export_ct2.py; not replacing it")
         others = sorted(set(os.listdir(out)) - EXPORT_FILES)
         if others:  # --force replaces an export, not whatever else was put in its folder
@@ -134,7 +136,7 @@ def export(model, tokenizer, out, quantization='none', force=False, info=None):
         spec.save(tmp)
         with open(os.path.join(tmp, 'tokenizer.json'), 'w', encoding='utf-8') as f:
             json.dump(tokenizer, f)
-        with open(os.path.join(tmp, T.CT2_MARKER), 'w', encoding='utf-8') as f:
+        with open(os.path.join(tmp, CT2_MARKER), 'w', encoding='utf-8') as f:
             json.dump({'format': 1, 'model_cfg': dataclasses.asdict(model.cfg), 'quantization': quantization,
                        'ctranslate2': ctranslate2.__version__, **(info or {})}, f, indent=1)
         if os.path.exists(out):  # the old export is moved aside only once the new one is complete
@@ -162,14 +164,14 @@ def main(argv=None):
     p.add_argument('--force', action='store_true', help="replace --out if it holds an earlier export")
     args = p.parse_args(argv)
     if args.average_last:
-        paths = T.newest_checkpoints(args.ckpt, args.average_last)
-        model, _, ckpt = T.load_checkpoint(paths[-1], 'cpu', data_prep.average_checkpoints(paths))
+        paths = checkpoint.newest_checkpoints(args.ckpt, args.average_last)
+        model, _, ckpt = checkpoint.load_checkpoint(paths[-1], 'cpu', checkpoint.average_checkpoints(paths))
     else:
         paths = [args.ckpt]
-        model, _, ckpt = T.load_checkpoint(args.ckpt, 'cpu')
-    tok = data_prep.checkpoint_tokenizer(paths[-1], ckpt)  # load_checkpoint has just read it: it resolves
+        model, _, ckpt = checkpoint.load_checkpoint(args.ckpt, 'cpu')
+    tok = checkpoint.checkpoint_tokenizer(paths[-1], ckpt)  # load_checkpoint has just read it: it resolves
     info = {'checkpoints': [os.path.abspath(q) for q in paths], 'step': ckpt.get('step'),
-            'lenpen': T.default_lenpen(ckpt)}
+            'lenpen': checkpoint.default_lenpen(ckpt)}
     out = export(model, tok, args.out, args.quantization, args.force, info)
     print(f"export_ct2.py: wrote {out} ({args.quantization}, {model.num_params() / 1e6:.1f}M parameters, "
           f"from {', '.join(os.path.basename(q) for q in paths)})", file=sys.stderr)
@@ -177,3 +179,116 @@ def main(argv=None):
 
 if __name__ == '__main__':
     main()
+
+
+
+
+def is_ct2_export(path):
+    return os.path.isfile(os.path.join(path, CT2_MARKER))
+
+
+class CT2Model:
+    """An export decoded by ctranslate2.Translator, with what translate_lines needs of a model: cfg, device,
+    train()/eval() (no-ops), and decode(), which returns what model.beam_search returns.
+
+    The output cap is model.py's, a * |src incl. EOS| + b per sentence, exactly: CTranslate2 takes one
+    max_decoding_length per call, so a batch is decoded under its longest cap and the sentences whose output
+    reached their own cap are decoded again under it. CTranslate2 ranks finished hypotheses by
+    log P / |Y|^alpha, not GNMT's penalty: all beam-size hypotheses are asked for, log P recovered from the
+    score, and they are re-ranked as model.py ranks them (docs/serving.md says what still differs)."""
+    training = False
+
+    def __init__(self, path, device='cpu', compute_type='default'):
+        try:
+            import ctranslate2
+        except ImportError:
+            fail(f"{path} is a CTranslate2 export: pip install ctranslate2")
+        try:
+            with open(os.path.join(path, CT2_MARKER), encoding='utf-8') as f:
+                marker = json.load(f)
+            self.cfg, self.lenpen = M.Config(**marker['model_cfg']), marker.get('lenpen', 0.6)
+            with open(os.path.join(path, 'shared_vocabulary.json'), encoding='utf-8') as f:
+                self.tokens = json.load(f)
+            kind, _, index = device.partition(':')
+            self.translator = ctranslate2.Translator(
+                path, device=kind, device_index=int(index or 0), compute_type=compute_type,
+                intra_threads=torch.get_num_threads() if kind == 'cpu' else 0)  # OMP_NUM_THREADS, as torch
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            fail(f"cannot load CTranslate2 export {path}: {type(e).__name__}: {str(e).strip()[:200]}")
+        self.path, self.device = path, torch.device('cpu')
+        self.ids = {t: i for i, t in enumerate(self.tokens)}
+        self.compute_type = self.translator.compute_type
+
+    def train(self, mode=True):  # translate_lines' switch to eval mode and back is for torch models
+        return self
+
+    def eval(self):
+        return self
+
+    def decode(self, src, beam, alpha, max_len_a, max_len_b, nbest):
+        cfg = self.cfg  # as model.py, never PAD, BOS or the ids past the tokenizer's (vocab_size rounds up)
+        never = [['<pad>'], ['<s>'], *([t] for t in self.tokens[cfg.tokenizer_size or cfg.vocab_size:])]
+        limit = M.max_lengths(self, src, max_len_a, max_len_b).tolist()
+        # The export appends EOS itself (add_source_eos, as CTranslate2's fairseq converter sets it).
+        rows = [[self.tokens[t] for t in row if t != cfg.pad_id][:-1] for row in src.tolist()]
+        out = [None] * len(rows)
+        todo = [i for i in range(len(rows)) if limit[i] > 1]
+        short = [i for i in range(len(rows)) if limit[i] <= 1]  # a cap of 1: room for EOS only, scored
+        for i, s in zip(short, self.translator.score_batch([rows[i] for i in short], [[]] * len(short),
+                                                           max_input_length=0) if short else []):
+            out[i] = [([], sum(s.log_probs) / (M.length_penalty(1, alpha) if beam > 1 else 1))]
+        if beam == 1 or alpha != 0:
+            groups = [todo]
+        else:  # without a penalty CTranslate2 stops early, and when it stopped cannot be told: cap by cap
+            groups = [[i for i in todo if limit[i] == n] for n in sorted({limit[i] for i in todo})]
+        while groups:
+            group = groups.pop()
+            if not group:
+                continue
+            steps = max(limit[i] for i in group) - 1  # model.py's cap includes the EOS it forces
+            results = self.translator.translate_batch(
+                [rows[i] for i in group], beam_size=beam, num_hypotheses=beam,
+                length_penalty=alpha if beam > 1 else 0, max_decoding_length=steps, min_decoding_length=0,
+                max_input_length=0, return_scores=True, return_end_token=True, suppress_sequences=never)
+            redo, finished = {}, []
+            for i, r in zip(group, results):
+                # Search finished on the step its longest hypothesis ended; before this sentence's own last
+                # step, a shorter cap would have found the same.
+                if limit[i] - 1 < steps and max(map(len, r.hypotheses)) >= limit[i] - 1:
+                    redo.setdefault(limit[i], []).append(i)
+                else:
+                    finished.append((i, r))
+            # At the cap CTranslate2 ends a hypothesis without EOS, and its score lacks EOS's log-probability,
+            # which model.py forces there and counts: those are scored again, score_batch appending EOS.
+            capped = [(i, h) for i, r in finished for h in r.hypotheses if h[-1:] != ['</s>']]
+            scored = self.translator.score_batch([rows[i] for i, _ in capped], [h for _, h in capped],
+                                                 max_input_length=0) if capped else []
+            logp = {}
+            for (i, h), s in zip(capped, scored):
+                logp.setdefault(i, {})[tuple(h)] = sum(s.log_probs)
+            for i, r in finished:
+                out[i] = self.rerank(r, beam, alpha, logp.get(i, {}))[:nbest]
+            groups += redo.values()
+        return out
+
+    def rerank(self, result, beam, alpha, capped_logp):
+        hyps = []
+        for toks, score in zip(result.hypotheses, result.scores):
+            ids = [self.ids[t] for t in toks]
+            logp = capped_logp.get(tuple(toks), score * len(ids) ** alpha if beam > 1 else score)
+            if ids and ids[-1] == self.cfg.eos_id:
+                ids.pop()
+            # |Y| counts EOS, also where the cap cut the hypothesis before it (model.py forces one there).
+            hyps.append((ids, logp / M.length_penalty(len(ids) + 1, alpha) if beam > 1 else logp))
+        return sorted(hyps, key=lambda h: -h[1])
+
+
+def load_ct2(path, device='cpu', compute_type='default'):
+    """-> (CT2Model, tiktoken Encoding) of an export_ct2.py directory."""
+    model = CT2Model(path, device, compute_type)
+    try:
+        enc = dataset.load_tokenizer(os.path.join(path, 'tokenizer.json'))
+    except Exception as e:
+        fail(f"{path}: cannot load its tokenizer: {type(e).__name__}: {e}")
+    checkpoint.check_tokenizer(path, model.cfg, enc)
+    return model, enc

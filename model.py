@@ -87,7 +87,7 @@ class MultiHeadAttention(nn.Module):
                     mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T) if T > 1 else None
                     causal = False  # T == 1 sees all keys; training passes a bool (a SymBool: graph break)
         p = self.attn_dropout if self.training else 0.0
-        y = (mask[0](q, k, v, *mask[1:], causal, p) if isinstance(mask, tuple)  # packed.py's (fn, q, k rows)
+        y = (mask[0](q, k, v, *mask[1:], causal, p) if isinstance(mask, tuple)  # speed.py's (fn, q, k rows)
              else F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=p))
         return self.out_proj(y.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
@@ -173,7 +173,7 @@ class Transformer(nn.Module):
             raise ValueError(f"positions up to {start + tokens.size(1)} exceed max_len={self.cfg.max_len}")
         return self.dropout(self.embed(tokens) * math.sqrt(self.cfg.d_model) + pe)
 
-    def encode(self, src, src_mask=None):  # src_mask given: packed rows' (packed.py)
+    def encode(self, src, src_mask=None):  # src_mask given: packed rows' (speed.py)
         """src (B, S) -> memory (B, S, d_model) and the key-padding mask (B, 1, 1, S), True = attend."""
         src_mask = (src != self.cfg.pad_id)[:, None, None, :] if src_mask is None else src_mask
         x = self.embed_tokens(src, src_mask[1].pos if isinstance(src_mask, tuple) else 0)
@@ -271,6 +271,16 @@ def label_smoothed_loss(x, weight, target, eps=0.1, chunk_fn=loss_chunk, element
 
 # ------------------------------------------------------------------------------------------------
 # Decoding (section 6.1: beam size 4, length penalty alpha 0.6, max output length input + 50)
+
+def configure_optimizer(model, lr, betas, eps, weight_decay):
+    """Section 5.3's Adam with decoupled weight decay (AdamW, Loshchilov & Hutter 2019) on the matrices
+    alone, as nanoGPT's: gains and biases are not decayed. Fused (CPU and GPU): the update reads a
+    found_inf flag on the device, so skipping a non-finite step needs no host sync."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{'params': matrices}, {'params': vectors, 'weight_decay': 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+
 
 def length_penalty(length, alpha):  # Wu et al. (2016), as used by the paper: lp(Y) = ((5 + |Y|) / 6)^alpha
     return ((5.0 + length) / 6.0) ** alpha

@@ -18,9 +18,8 @@ import sys
 import numpy as np
 import torch
 
-import data_prep
+import checkpoint
 import model as M
-import translate
 
 
 def fail(msg):
@@ -62,7 +61,7 @@ def figure_path(path):
 
 def save(fig, plt, path, show):
     # Written under a temporary name, then renamed: a reader never sees half a PNG under the real name.
-    tmp = data_prep.temporary(path)
+    tmp = checkpoint.temporary(path)
     try:
         fig.savefig(tmp, format=os.path.splitext(path)[1][1:] or 'png', dpi=110, bbox_inches='tight')
         os.replace(tmp, path)
@@ -235,7 +234,7 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
     out = figure_path(out)
     if os.path.isdir(ckpt):  # not translate.py's advice, which names its own --average-last
         fail(f"--ckpt {ckpt} is a folder: give a checkpoint file in it (ckpt.pt)")
-    model, enc, saved = translate.load_checkpoint(ckpt, 'cpu')
+    model, enc, saved = checkpoint.load_checkpoint(ckpt, 'cpu')
     cfg = model.cfg
     n_layers = {'encoder': cfg.n_enc_layers, 'decoder': cfg.n_dec_layers, 'cross': cfg.n_dec_layers}
     heads = list(range(cfg.n_heads)) if heads is None else heads
@@ -253,7 +252,7 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
     src = torch.tensor([src_tok])
     if tgt_text is None:  # the model's own translation, token for token as it was decoded
         # translate.py's search: its default stopping rule, the checkpoint's length penalty
-        tgt_tok = M.beam_search(model, src, beam=beam, alpha=translate.default_lenpen(saved))[0][0][0]
+        tgt_tok = M.beam_search(model, src, beam=beam, alpha=checkpoint.default_lenpen(saved))[0][0][0]
         tgt_text = enc.decode(tgt_tok)
         print(f"plot.py: translation: {tgt_text}")
     else:

@@ -25,6 +25,8 @@ import time
 import numpy as np
 
 import data_prep
+import checkpoint
+import dataset
 
 MULTI30K = data_prep.LOCAL_MULTI30K
 
@@ -96,7 +98,7 @@ def corpus(args):
         if len(src) != len(tgt) or not any(s.split() and t.split() for s, t in zip(src, tgt)):
             sys.exit(f"error: {os.path.join(args.multi30k, f'{name}.{args.src}.gz')} has {len(src)} lines "
                      f"and {name}.{args.tgt}.gz {len(tgt)}: a parallel corpus needs as many, not all empty")
-    data_prep.make_writable(args.out, '--out')
+    checkpoint.make_writable(args.out, '--out')
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
     words = pseudo_words(args.pool, rng) if args.rare > 0 else []
@@ -114,15 +116,15 @@ def peak_rss_gb():
 def loader(args):
     """train.py's batch plan and batch building on a prepared directory, timed per max_tokens."""
     t0 = time.time()
-    data = data_prep.load_split(args.data, 'train')
-    meta = data_prep.load_meta(args.data)
+    data = dataset.load_split(args.data, 'train')
+    meta = dataset.load_meta(args.data)
     print(f'{args.data}: {len(data[1]) - 1:,} pairs, {len(data[0]) + len(data[2]):,} tokens, '
           f'opened in {time.time() - t0:.2f}s; peak RSS {peak_rss_gb():.2f} GB')
     for max_tokens in args.max_tokens:
         t0 = time.time()
-        plan = data_prep.batch_plan(data, max_tokens, seed=1, epoch=0)
+        plan = dataset.batch_plan(data, max_tokens, seed=1, epoch=0)
         t_plan = time.time() - t0
-        over = int((data_prep.pair_sizes(data) > max_tokens).sum())
+        over = int((dataset.pair_sizes(data) > max_tokens).sum())
         if not plan:
             sys.exit(f'error: max_tokens {max_tokens} is below every pair of {args.data}: no batch to build')
         if over:
@@ -131,7 +133,7 @@ def loader(args):
         n = min(len(plan), args.batches)
         t0 = time.time()
         for ids in plan[:n]:
-            data_prep.collate(data, ids, meta['pad_id'], meta['bos_id'], meta['eos_id'])
+            dataset.collate(data, ids, meta['pad_id'], meta['bos_id'], meta['eos_id'])
         dt = time.time() - t0
         print(f'max_tokens {max_tokens}: batch_plan {t_plan:.1f}s for {len(plan):,} batches; collate '
               f'{n / dt:,.0f} batches/s ({1e3 * dt / n:.2f} ms each, first {n} of the plan); '
@@ -157,13 +159,13 @@ def checkpoints(args):
             paths = []
             for i in range(n_avg):
                 paths.append(os.path.join(tmp, f'ckpt_{i:07d}.pt'))
-                data_prep.save_atomic(weights, paths[-1])
+                checkpoint.save_atomic(weights, paths[-1])
             t_write = (time.time() - t0) / n_avg
             t0 = time.time()
-            data_prep.save_atomic({**weights, 'optimizer': opt.state_dict()}, os.path.join(tmp, 'state.pt'))
+            checkpoint.save_atomic({**weights, 'optimizer': opt.state_dict()}, os.path.join(tmp, 'state.pt'))
             t_state = time.time() - t0
             t0 = time.time()
-            data_prep.average_checkpoints(paths)
+            checkpoint.average_checkpoints(paths)
             t_avg = time.time() - t0
             gb = lambda p: os.path.getsize(p) / 1e9
             print(f'{name}: {m.num_params() / 1e6:.0f}M parameters; ckpt_STEP.pt {gb(paths[0]):.2f} GB '

@@ -13,7 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import bench
 import data_prep
+import dataset
 import model as M
+import speed
 from test_translate import reverse
 
 TINY = ['--config', 'tiny', '--compile', 'off', '--warmup', '1', '--steps', '2', '--batch-tokens', '256',
@@ -70,7 +72,7 @@ def test_flops_and_size_match_torch_for_ours_and_the_builtin(cls):
 
 def test_synthetic_pairs_load_as_a_split_and_batch_as_training_does(prepared):
     folder, data = prepared
-    for ours, loaded in zip(data, data_prep.load_split(folder, 'train')):
+    for ours, loaded in zip(data, dataset.load_split(folder, 'train')):
         np.testing.assert_array_equal(ours, loaded)
     cfg = M.Config(**{**bench.CONFIGS['tiny'], **IDS})
     batches = bench.make_batches(data, cfg, 512, 5, 'cpu')
@@ -87,16 +89,16 @@ def test_batches_go_on_into_the_next_epoch_when_one_is_short(prepared):
     # Multi30k makes 20 batches of 25000 tokens: bench.py --data at that size once timed none (divided by 0).
     folder, data = prepared
     cfg = M.Config(**{**bench.CONFIGS['tiny'], **IDS})
-    n = len(data_prep.batch_plan(data, 512, 0, 0))
+    n = len(dataset.batch_plan(data, 512, 0, 0))
     batches = bench.make_batches(data, cfg, 512, n + 2, 'cpu')
-    second = data_prep.batch_plan(data, 512, 0, 1)[:2]
+    second = dataset.batch_plan(data, 512, 0, 1)[:2]
     assert len(batches) == n + 2 and [len(b[0]) for b in batches[n:]] == list(map(len, second))
 
 
 def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(prepared):
     # On a data folder: its vocabulary and ids, and both dtypes (bf16 where native: emulated takes minutes).
     # Synthetic batches run in test_gpu.py's CPU test of gpu_check.py (its 'bench tiny' stages).
-    fast = data_prep.fast_dtype('cpu')
+    fast = speed.fast_dtype('cpu')
     dtypes = ['float32'] + [fast] * (fast != 'float32')
     argv = [*TINY, '--profile', '--data', prepared[0], '--dtype', *dtypes]
     res = subprocess.run([sys.executable, 'bench.py', *argv], cwd=bench.HERE, capture_output=True, text=True,
@@ -156,7 +158,7 @@ def test_a_training_config_file_gives_the_model_batch_size_and_data(tmp_path):
 
 def test_the_cpu_step_is_train_pys_dropout_fused_adam_and_gradient_norm(monkeypatch):
     calls, adam = [], torch.optim.Adam
-    monkeypatch.setattr(data_prep, 'cpu_dropout', lambda m: calls.append(('dropout', type(m).__name__)))
+    monkeypatch.setattr(speed, 'cpu_dropout', lambda m: calls.append(('dropout', type(m).__name__)))
     opt = lambda *a, **k: calls.append(('fused', k.get('fused'))) or adam(*a)
     monkeypatch.setattr(torch.optim, 'Adam', opt)
     norm = torch.nn.utils.clip_grad_norm_

@@ -17,7 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+import checkpoint
 import data_prep
+import dataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -164,7 +166,7 @@ def corpus(tmp_path):
 
 def read_split(out, split, lang):
     """Decoded sentences of a prepared split, via meta.json's dtype and the .idx offsets."""
-    meta, enc = json.load(open(out / 'meta.json')), data_prep.load_tokenizer(str(out))
+    meta, enc = json.load(open(out / 'meta.json')), dataset.load_tokenizer(str(out))
     ids = np.fromfile(out / f'{split}.{lang}.bin', dtype=meta['dtype'])
     idx = np.fromfile(out / f'{split}.{lang}.idx', dtype=np.int64)
     return [enc.decode(ids[idx[i]:idx[i + 1]].tolist()) for i in range(len(idx) - 1)]
@@ -285,7 +287,7 @@ def test_wmt14_layout_end_to_end_through_a_mirror_url(server, tmp_path, monkeypa
                            '--vocab-size', '300', '--out', str(out), '--download-dir', str(tmp_path / 'dl')])
     assert meta['raw_pairs'] == {'train': len(train), 'valid': len(valid), 'test': len(test)}
     assert sorted(os.listdir(tmp_path / 'dl')) == sorted(files) and len(server.log) == len(files)  # each once
-    enc = data_prep.load_tokenizer(str(out))
+    enc = dataset.load_tokenizer(str(out))
     kept = expected_kept(enc, train)
     assert list(zip(read_split(out, 'train', 'en'), read_split(out, 'train', 'de'))) == kept
     assert meta['splits']['train']['pairs'] == len(kept) == len(train) - sum(meta['dropped'].values())
@@ -362,7 +364,7 @@ def test_real_multi30k_en_de_keeps_every_pair_unless_a_ratio_is_asked(multi30k_e
     assert meta['raw_pairs'] == {'train': 29000, 'valid': 1014, 'test': 1000} and meta['vocab_size'] == 8003
     assert meta['dropped'] == {'empty': 0, 'too_long': 0, 'ratio': 0}
     assert meta['splits']['train']['pairs'] == 29000
-    lengths = (np.diff(data_prep.load_split(out, 'train')[i]) for i in (1, 3))  # what --max-ratio 1.5 reads
+    lengths = (np.diff(dataset.load_split(out, 'train')[i]) for i in (1, 3))  # what --max-ratio 1.5 reads
     # fairseq's WMT rule would drop 773 pairs: captions differ in length
     assert data_prep.clean_mask(*lengths, 250, 1.5)[1] == {'empty': 0, 'too_long': 0, 'ratio': 773}
     ref = gzip.decompress(open(os.path.join(data_prep.LOCAL_MULTI30K, 'test_2016_flickr.de.gz'), 'rb').read())
@@ -391,7 +393,7 @@ def test_cleaning_drops_training_pairs_only_and_counts_each_rule(tmp_path):
     write_custom(tmp_path, {'train': train, 'valid': valid, 'test': bad})
     out = tmp_path / 'out'
     meta = data_prep.main(custom_args(tmp_path, out, '--max-len', '30'))
-    kept = expected_kept(data_prep.load_tokenizer(str(out)), train, max_len=30)
+    kept = expected_kept(dataset.load_tokenizer(str(out)), train, max_len=30)
     assert list(zip(read_split(out, 'train', 'xx'), read_split(out, 'train', 'yy'))) == kept
     dropped = meta['dropped']
     assert dropped['empty'] == 2 and dropped['too_long'] >= 1 and dropped['ratio'] >= 1
@@ -469,8 +471,8 @@ TRICKY = ['Grüße aus Köln: Äpfel, Öl und Übermut — ß!', 'Emoji 👍🏽
 
 def test_tokenizer_round_trips_tricky_text_from_dict_json_and_folder(corpus):
     data_prep.main(custom_args(corpus, corpus / 'out', '--vocab-size', '400'))
-    tok = json.loads(json.dumps(data_prep.tokenizer_dict(str(corpus / 'out'))))  # as embedded in a checkpoint
-    encs = [data_prep.load_tokenizer(x) for x in (tok, str(corpus / 'out' / 'tokenizer.json'),
+    tok = json.loads(json.dumps(dataset.tokenizer_dict(str(corpus / 'out'))))  # as embedded in a checkpoint
+    encs = [dataset.load_tokenizer(x) for x in (tok, str(corpus / 'out' / 'tokenizer.json'),
                                                   str(corpus / 'out'))]
     for s in TRICKY:
         assert encs[0].decode(encs[0].encode_ordinary(s)) == s
@@ -483,7 +485,7 @@ def test_tokenizer_round_trips_tricky_text_from_dict_json_and_folder(corpus):
 
 
 def test_batched_encoding_equals_encoding_each_line_alone():
-    enc = data_prep.load_tokenizer(data_prep.train_tokenizer(iter(TRICKY * 3), 300, 'toy'))
+    enc = dataset.load_tokenizer(data_prep.train_tokenizer(iter(TRICKY * 3), 300, 'toy'))
     for lines in (TRICKY, [s for s in TRICKY if '</s>' not in s], ['a'], []):
         for workers in (1, 3):
             ids, lens = data_prep.encode_lines(enc, lines, workers)
@@ -495,21 +497,21 @@ def test_batched_encoding_equals_encoding_each_line_alone():
 def test_a_given_tokenizer_encodes_new_data_with_its_own_ids(corpus, capsys):
     import torch
     data_prep.main(custom_args(corpus, corpus / 'a'))
-    tok = data_prep.tokenizer_dict(str(corpus / 'a'))
+    tok = dataset.tokenizer_dict(str(corpus / 'a'))
     torch.save({'tokenizer': tok}, corpus / 'ckpt.pt')
     write_custom(corpus, {'train': toy_pairs(40, 16), 'valid': toy_pairs(5, 17)})  # its own BPE would differ
     args = [a for a in custom_args(corpus, corpus / 'b') if a not in ('--vocab-size', '300')]
     for source in (corpus / 'ckpt.pt', corpus / 'a', corpus / 'a' / 'tokenizer.json'):
         meta = data_prep.main(args + ['--tokenizer', str(source), '--force'])
-        assert data_prep.same_tokenizer(data_prep.tokenizer_dict(str(corpus / 'b')), tok)
-        assert meta['vocab_size'] == data_prep.load_meta(str(corpus / 'a'))['vocab_size']
+        assert dataset.same_tokenizer(dataset.tokenizer_dict(str(corpus / 'b')), tok)
+        assert meta['vocab_size'] == dataset.load_meta(str(corpus / 'a'))['vocab_size']
         assert read_split(corpus / 'b', 'valid', 'xx') == [p[0] for p in toy_pairs(5, 17)]
     capsys.readouterr()
     data_prep.main(args + ['--tokenizer', str(corpus / 'a')])
     assert 'already prepared' in capsys.readouterr().out
     data_prep.main(args)  # its own BPE again: not the given one's output kept
     assert 'already prepared' not in capsys.readouterr().out
-    assert not data_prep.same_tokenizer(data_prep.tokenizer_dict(str(corpus / 'b')), tok)
+    assert not dataset.same_tokenizer(dataset.tokenizer_dict(str(corpus / 'b')), tok)
 
 
 def test_a_given_tokenizer_that_is_none_is_an_error_naming_it(corpus):
@@ -599,7 +601,7 @@ def test_two_runs_into_one_out_never_mix(corpus, monkeypatch):
     resume.set()
     first.join()
     second.join()
-    meta = data_prep.load_meta(str(corpus / 'out'))
+    meta = dataset.load_meta(str(corpus / 'out'))
     assert errors == [] and meta['max_len'] == 9
     assert len(read_split(corpus / 'out', 'train', 'xx')) == meta['splits']['train']['pairs']
 
@@ -617,7 +619,7 @@ def test_a_split_side_of_empty_lines_loads_as_empty_sentences(tmp_path):
     write_custom(tmp_path, {'train': toy_pairs(30, 9), 'valid': [(p[0], '') for p in toy_pairs(3, 10)],
                             'test': toy_pairs(5, 11)})
     data_prep.main(custom_args(tmp_path, tmp_path / 'o'))  # valid.yy.bin has no bytes: not a damaged folder
-    src, src_idx, tgt, tgt_idx = data_prep.load_split(str(tmp_path / 'o'), 'valid')
+    src, src_idx, tgt, tgt_idx = dataset.load_split(str(tmp_path / 'o'), 'valid')
     assert len(src_idx) == len(tgt_idx) == 4 and len(src) > 0 and len(tgt) == 0
 
 
@@ -626,7 +628,7 @@ def test_a_truncated_token_file_is_refused_by_load_split(corpus):
     with open(corpus / 'o' / 'train.yy.bin', 'r+b') as f:
         f.truncate(10)
     with pytest.raises(SystemExit) as e:
-        data_prep.load_split(str(corpus / 'o'), 'train')
+        dataset.load_split(str(corpus / 'o'), 'train')
     assert 'train.yy.idx does not match' in str(e.value)
 
 
@@ -660,10 +662,10 @@ def test_importing_has_no_side_effects_and_needs_no_rustbpe(tmp_path):
 
 def test_atomic_writes_leave_the_old_file_when_interrupted(tmp_path):
     (tmp_path / 'f.json').write_text('old')
-    with pytest.raises(KeyboardInterrupt), data_prep.atomic(str(tmp_path / 'f.json')) as f:
+    with pytest.raises(KeyboardInterrupt), checkpoint.atomic(str(tmp_path / 'f.json')) as f:
         f.write(b'half')
         raise KeyboardInterrupt
-    data_prep.write_json(str(tmp_path / 'g.json'), {'a': 1})
+    checkpoint.write_json(str(tmp_path / 'g.json'), {'a': 1})
     assert (tmp_path / 'f.json').read_text() == 'old' and sorted(os.listdir(tmp_path)) == ['f.json', 'g.json']
 
 # -----------------------------------------------------------------------------------------------
@@ -673,7 +675,7 @@ def test_atomic_writes_leave_the_old_file_when_interrupted(tmp_path):
 def test_collate_puts_bos_eos_and_padding_where_the_model_expects_them():
     data = (np.array([5, 6, 7, 8], np.uint16), np.array([0, 3, 4]), np.array([9, 10, 11], np.uint16),
             np.array([0, 1, 3]))
-    src, tgt_in, rows, targets = data_prep.collate(data, [1, 0], pad_id=0, bos_id=1, eos_id=2)
+    src, tgt_in, rows, targets = dataset.collate(data, [1, 0], pad_id=0, bos_id=1, eos_id=2)
     assert src.tolist() == [[8, 2, 0, 0], [5, 6, 7, 2]] and tgt_in.tolist() == [[1, 10, 11], [1, 9, 0]]
     assert rows.tolist() == [0, 1, 2, 3, 4] and targets.tolist() == [10, 11, 2, 9, 2]  # pads are no rows
     assert {x.dtype for x in (src, tgt_in, rows, targets)} == {np.dtype(np.int64)}
@@ -682,7 +684,7 @@ def test_collate_puts_bos_eos_and_padding_where_the_model_expects_them():
     for n in (rng.integers(0, 9, 50), rng.integers(0, 9, 50)):  # valid and test are not cleaned: empty sides
         data += [rng.integers(3, 100, int(n.sum())).astype(np.uint16), np.concatenate([[0], np.cumsum(n)])]
     ids = rng.permutation(50)[:17]
-    src, tgt_in, rows, targets = data_prep.collate(tuple(data), ids, 0, 1, 2)
+    src, tgt_in, rows, targets = dataset.collate(tuple(data), ids, 0, 1, 2)
     tgt_out = np.zeros(tgt_in.size, np.int64)
     tgt_out[rows] = targets
     tgt_out = tgt_out.reshape(tgt_in.shape)
@@ -699,9 +701,9 @@ def test_batch_plan_fills_max_tokens_covers_each_fitting_pair_once_and_is_seeded
     for _ in range(2):
         n = rng.integers(1, 40, 500)
         data += [np.zeros(int(n.sum()), np.uint16), np.concatenate([[0], np.cumsum(n)])]
-    size = data_prep.pair_sizes(data)
-    plan = data_prep.batch_plan(data, 100, seed=3, epoch=0)
+    size = dataset.pair_sizes(data)
+    plan = dataset.batch_plan(data, 100, seed=3, epoch=0)
     assert sorted(np.concatenate(plan).tolist()) == np.flatnonzero(size <= 100).tolist()
     assert all(len(b) * size[b].max() <= 100 for b in plan)
-    as_lists = lambda epoch: [b.tolist() for b in data_prep.batch_plan(data, 100, seed=3, epoch=epoch)]
+    as_lists = lambda epoch: [b.tolist() for b in dataset.batch_plan(data, 100, seed=3, epoch=epoch)]
     assert as_lists(0) == [b.tolist() for b in plan] != as_lists(1)  # the same on every rank, new each epoch

@@ -1,5 +1,5 @@
 """
-Tests for export_ct2.py and translate.py's CTranslate2 path: an export scores every token as model.py does
+Tests for E.py and translate.py's CTranslate2 path: an export scores every token as model.py does
 (pre-norm and post-norm), and test_translate.py's tiny word-reversal model, trained and exported, decodes
 under CTranslate2 as under model.py.
 """
@@ -44,7 +44,7 @@ def test_export_scores_each_token_as_model_py(toy, tmp_path, kw):
     torch.manual_seed(1)
     model = M.Transformer(dataclasses.replace(toy['model'].cfg, **kw)).eval()
     E.export(model, toy['d'], str(tmp_path / 'ct2'))
-    ct2, enc = T.load_ct2(str(tmp_path / 'ct2'))
+    ct2, enc = E.load_ct2(str(tmp_path / 'ct2'))
     cfg, rng = model.cfg, random.Random(0)
     pairs = [(enc.encode_ordinary(sentence(rng)), enc.encode_ordinary(sentence(rng))) for _ in range(8)]
     # The export appends EOS to the source and scores the target's EOS itself.
@@ -59,8 +59,8 @@ def test_export_scores_each_token_as_model_py(toy, tmp_path, kw):
 
 def test_float32_export_decodes_as_model_py(toy):
     model, enc, lines = toy['model'], toy['enc'], toy['lines']
-    ct2, _ = T.load_ct2(toy['ct2'])
-    assert isinstance(ct2, T.CT2Model) and ct2.cfg == model.cfg
+    ct2, _ = E.load_ct2(toy['ct2'])
+    assert isinstance(ct2, E.CT2Model) and ct2.cfg == model.cfg
 
     def both(**kw):
         # exact=False: model.py stops a sentence once beam hypotheses finished, as CTranslate2 does.
@@ -104,7 +104,7 @@ def test_an_export_of_learned_positions_and_d_head_decodes_as_model_py(toy, tmp_
     torch.save(dict(model=model.state_dict(), model_cfg=dataclasses.asdict(cfg), tokenizer=d, step=250),
                tmp_path / 'ckpt.pt')
     E.main(['--ckpt', str(tmp_path / 'ckpt.pt'), '--out', str(tmp_path / 'ct2')])
-    ct2, _ = T.load_ct2(str(tmp_path / 'ct2'))
+    ct2, _ = E.load_ct2(str(tmp_path / 'ct2'))
     assert ct2.cfg == model.cfg and model.cfg.positions == 'learned'
     ours, theirs = (list(T.translate_lines(m, enc, toy['lines'], greedy=True)) for m in (model, ct2))
     assert sum(h == reverse(s) for h, s in zip(ours, toy['lines'])) >= 0.8 * len(ours)  # learnt
@@ -122,7 +122,7 @@ def test_an_export_never_generates_ids_past_the_tokenizers(toy, tmp_path):
         model.decoder[-1].norm3.bias.fill_(1.0)
         model.embed.weight[n:] = 1.0
     E.export(model, toy['d'], str(tmp_path / 'ct2'))
-    ct2, enc = T.load_ct2(str(tmp_path / 'ct2'))
+    ct2, enc = E.load_ct2(str(tmp_path / 'ct2'))
     src = torch.tensor([enc.encode_ordinary(toy['lines'][0]) + [model.cfg.eos_id]])
     for beam in (1, 4):
         assert all(t < n for hyp, _ in ct2.decode(src, beam, 0.6, 1, 50, beam)[0] for t in hyp)
@@ -130,9 +130,9 @@ def test_an_export_never_generates_ids_past_the_tokenizers(toy, tmp_path):
 
 def test_int8_export_is_smaller_and_translates_nearly_as_float32(toy, tmp_path):
     E.main(['--ckpt', toy['ckpt'], '--out', str(tmp_path / 'int8'), '--quantization', 'int8'])
-    info = json.loads((tmp_path / 'int8' / T.CT2_MARKER).read_text())
+    info = json.loads((tmp_path / 'int8' / E.CT2_MARKER).read_text())
     assert info['quantization'] == 'int8' and info['model_cfg'] == dataclasses.asdict(toy['model'].cfg)
-    ct2, enc = T.load_ct2(str(tmp_path / 'int8'))
+    ct2, enc = E.load_ct2(str(tmp_path / 'int8'))
     assert ct2.compute_type.startswith('int8')
     size = lambda folder: os.path.getsize(os.path.join(folder, 'model.bin'))  # noqa: E731
     assert size(tmp_path / 'int8') < 0.5 * size(toy['ct2'])
@@ -148,9 +148,9 @@ def test_an_existing_export_is_replaced_whole_and_only_with_force(toy, tmp_path)
     with pytest.raises(SystemExit) as e:
         E.main(['--ckpt', toy['ckpt'], '--out', str(out), '--quantization', 'int8'])
     assert str(out) in str(e.value) and '--force' in str(e.value)
-    assert json.loads((out / T.CT2_MARKER).read_text())['quantization'] == 'none'
+    assert json.loads((out / E.CT2_MARKER).read_text())['quantization'] == 'none'
     E.main(['--ckpt', toy['ckpt'], '--out', str(out), '--quantization', 'int8', '--force'])
-    assert json.loads((out / T.CT2_MARKER).read_text())['quantization'] == 'int8'
+    assert json.loads((out / E.CT2_MARKER).read_text())['quantization'] == 'int8'
     assert not (out / 'source_vocabulary.json').exists()
     assert os.listdir(tmp_path) == ['ct2']  # nothing left over
 
@@ -187,10 +187,10 @@ def test_export_of_averaged_checkpoints_equals_export_of_the_average(toy, tmp_pa
         torch.save({**base, 'model': {k: v + shift for k, v in base['model'].items()}, 'step': step},
                    tmp_path / f'ckpt_{step}.pt')
     E.main(['--ckpt', str(tmp_path), '--average-last', '2', '--out', str(tmp_path / 'avg')])
-    info = json.loads((tmp_path / 'avg' / T.CT2_MARKER).read_text())
+    info = json.loads((tmp_path / 'avg' / E.CT2_MARKER).read_text())
     assert [os.path.basename(p) for p in info['checkpoints']] == ['ckpt_10.pt', 'ckpt_20.pt']
     assert info['step'] == 20
-    ct2, enc = T.load_ct2(str(tmp_path / 'avg'))
+    ct2, enc = E.load_ct2(str(tmp_path / 'avg'))
     lines = toy['lines'][:8]
     assert list(T.translate_lines(ct2, enc, lines, greedy=True)) == list(
         T.translate_lines(toy['model'], enc, lines, greedy=True))  # the shifts cancel (up to rounding)
@@ -200,7 +200,7 @@ def test_export_carries_the_length_penalty_the_checkpoint_was_validated_with(toy
     ckpt = torch.load(toy['ckpt'], weights_only=True)
     torch.save({**ckpt, 'config': {'bleu_lenpen': 1.5}}, tmp_path / 'ckpt.pt')
     E.main(['--ckpt', str(tmp_path / 'ckpt.pt'), '--out', str(tmp_path / 'ct2')])
-    assert T.load_ct2(str(tmp_path / 'ct2'))[0].lenpen == 1.5 and T.load_ct2(toy['ct2'])[0].lenpen == 0.6
+    assert E.load_ct2(str(tmp_path / 'ct2'))[0].lenpen == 1.5 and E.load_ct2(toy['ct2'])[0].lenpen == 0.6
 
 
 def test_translate_cli_serves_an_export_with_the_same_line_rules_and_scores(toy, tmp_path, capsys):
@@ -221,7 +221,7 @@ def test_bad_exports_and_options_are_one_line_errors(toy, tmp_path, capsys):
     E.main(['--ckpt', toy['ckpt'], '--out', str(broken)])
     (broken / 'model.bin').write_bytes(b'not a model')
     with pytest.raises(SystemExit) as e:
-        T.load_ct2(str(broken))
+        E.load_ct2(str(broken))
     assert str(broken) in str(e.value) and '\n' not in str(e.value)
     with pytest.raises(SystemExit) as e:  # a checkpoint's option, for an export
         T.main(['--ckpt', toy['ct2'], '--dtype', 'bfloat16'])

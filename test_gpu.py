@@ -105,8 +105,9 @@ def test_cache_matches_full_forward_on_cuda_in_bfloat16():
 @cuda
 @pytest.mark.parametrize('pack_kw', [{}, dict(size=80, max_len=16)])
 def test_packed_flash_attention_gives_the_padded_loss_and_gradients_on_cuda(pack_kw):
+    from test_speed import packed_and_padded_grads
+
     from test_model import pad_batch
-    from test_packed import packed_and_padded_grads
     m = tiny_model().cuda().train()
     src = batch(m.cfg).cuda()
     tgt_out = pad_batch([[5, 6, 7, 2], [8, 2], [3, 4, 5, 6, 7, 8, 9, 2], [4, 2], [9, 9, 2], [7, 2]]).cuda()
@@ -153,7 +154,7 @@ def test_train_one_process_on_cuda_writes_a_loadable_checkpoint(data_dir, tmp_pa
     assert '(cpu, ' in res.stderr
 
 
-@cuda  # graphs: packed.all_reduce_grads averages; master_weights: rank 0's float32 weights broadcast
+@cuda  # graphs: speed.all_reduce_grads averages; master_weights: rank 0's float32 weights broadcast
 @pytest.mark.parametrize('extra', [[], ['--cuda_graphs=True', '--dtype=bfloat16', '--master_weights=True']])
 def test_torchrun_with_nccl_runs_the_ddp_path_and_stops_at_max_minutes(data_dir, tmp_path, extra):
     out = tmp_path / 'ddp'

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import data_prep
+import dataset
 import model as M
 import plot
 
@@ -264,7 +265,7 @@ def checkpoint(tmp_path_factory):
     d = data_prep.train_tokenizer(iter([' '.join(words)] * 20), 300, 'toy')
     sp = d['special_tokens']
     torch.manual_seed(0)
-    cfg = M.Config(vocab_size=data_prep.load_tokenizer(d).n_vocab, n_enc_layers=2, n_dec_layers=2,
+    cfg = M.Config(vocab_size=dataset.load_tokenizer(d).n_vocab, n_enc_layers=2, n_dec_layers=2,
                    d_model=32, d_ff=64, n_heads=4, dropout=0.0, max_len=64, pad_id=sp['<pad>'],
                    bos_id=sp['<s>'], eos_id=sp['</s>'])
     path = tmp_path_factory.mktemp('ckpt') / 'ckpt.pt'

@@ -9,7 +9,6 @@ import sys
 
 import torch
 
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 80  # the tokens of 40 steps of the previous 2048-token recipe
 # Measured with this test's settings and the current recipe (1+5 layers, d_model 128, d_ff 512, 1024-token

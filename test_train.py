@@ -16,8 +16,10 @@ import sys
 import pytest
 import torch
 
+import checkpoint
 import configurator
-import data_prep
+import dataset
+import speed
 import translate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -178,9 +180,9 @@ def test_a_run_logs_progress_and_writes_snapshots_a_state_and_their_average(run)
         'state_0000006.pt',
     ]  # keep_state=1: the older state is gone
     assert 'optimizer' not in torch.load(out / 'ckpt_0000003.pt', weights_only=True)
-    avg = data_prep.average_checkpoints([str(out / 'ckpt_0000003.pt'), str(out / 'ckpt_0000006.pt')])
+    avg = checkpoint.average_checkpoints([str(out / 'ckpt_0000003.pt'), str(out / 'ckpt_0000006.pt')])
     assert_same_params(avg, params(out, 'ckpt.pt'))
-    model, enc, ckpt = translate.load_checkpoint(str(out / 'ckpt.pt'), 'cpu')
+    model, enc, ckpt = checkpoint.load_checkpoint(str(out / 'ckpt.pt'), 'cpu')
     assert ckpt['step'] == 6 and ckpt['config']['max_steps'] == 6
     assert ckpt['model_cfg']['tokenizer_size'] == enc.n_vocab  # the ids past it are never decoded
     assert len(list(translate.translate_lines(model, enc, ['w1 w2 w3'], beam=2))) == 1
@@ -283,12 +285,12 @@ def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(dat
     common = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2', '--keep_state=2']
     common += ['--dropout=0.1']
     train(common + ['--max_steps=4'], tmp_path / 'a', data_dir)
-    model, _, ckpt = translate.load_checkpoint(str(tmp_path / 'a' / 'ckpt.pt'))
+    model, _, ckpt = checkpoint.load_checkpoint(str(tmp_path / 'a' / 'ckpt.pt'))
     assert (ckpt['model_cfg']['positions'], ckpt['model_cfg']['d_head']) == ('learned', 4)
     assert model.decoder[0].self_attn.qkv_proj.weight.shape == (3 * 12, 32)
     two, four = params(tmp_path / 'a', 'ckpt_0000002.pt'), params(tmp_path / 'a', 'ckpt_0000004.pt')
     assert not torch.equal(two['pe'], four['pe'])
-    average = data_prep.average_checkpoints([str(tmp_path / 'a' / f'ckpt_000000{s}.pt') for s in (2, 4)])
+    average = checkpoint.average_checkpoints([str(tmp_path / 'a' / f'ckpt_000000{s}.pt') for s in (2, 4)])
     assert_same_params(average, params(tmp_path / 'a', 'ckpt.pt'))
     shutil.copytree(tmp_path / 'a', tmp_path / 'b')
     for f in ('ckpt.pt', 'ckpt_0000004.pt', 'state_0000004.pt'):
@@ -311,7 +313,7 @@ def test_a_used_out_dir_is_refused_unless_overwrite_which_waits_for_every_input(
     # Fine-tuning from this out_dir's own checkpoint into it, starting over.
     train(['--max_steps=1', '--overwrite=True', f'--init_from={out / "ckpt.pt"}'], out, data_dir)
     assert [r['step'] for r in records(out, 'loss')] == [1]
-    assert data_prep.checkpoints(str(out)) == [str(out / 'ckpt_0000001.pt')]
+    assert checkpoint.checkpoints(str(out)) == [str(out / 'ckpt_0000001.pt')]
 
 
 def test_a_run_into_an_out_dir_another_run_is_using_is_refused(data_dir, tmp_path):
@@ -340,7 +342,7 @@ def other_data_dir(tmp_path_factory):  # the same sizes, another corpus: another
 
 
 def test_resume_or_fine_tune_with_another_tokenizer_is_refused(run, data_dir, other_data_dir, tmp_path):
-    assert data_prep.load_meta(data_dir)['vocab_size'] == data_prep.load_meta(other_data_dir)['vocab_size']
+    assert dataset.load_meta(data_dir)['vocab_size'] == dataset.load_meta(other_data_dir)['vocab_size']
     out = copy_run(run, tmp_path)
     resume, tune = refused(
         (['--init_from=resume'], out, other_data_dir),
@@ -431,7 +433,7 @@ def test_resume_on_other_training_data_is_refused_and_on_a_copy_goes_on(run, dat
 def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_before_any_work(
     data_dir, tmp_path
 ):
-    sizes = data_prep.pair_sizes(data_prep.load_split(data_dir, 'train'))
+    sizes = dataset.pair_sizes(dataset.load_split(data_dir, 'train'))
     cases = [
         (['--max_steps=ten'], 'max_steps must be int'),
         (['--dropout=1.5'], 'dropout must be in [0, 1)'),
@@ -462,7 +464,7 @@ def test_resume_counts_the_training_time_already_spent(run, data_dir, tmp_path):
     assert 0 < state['elapsed'] < 300
     torch.save({**state, 'elapsed': 600.0}, out / 'state_0000006.pt')  # as if it had trained 10 minutes
     res = train(['--max_steps=50', '--max_minutes=5.0', '--init_from=resume', '--dropout=0.1'], out, data_dir)
-    assert data_prep.checkpoints(str(out))[-1].endswith('6.pt') and 'step 7 ' not in res.stdout
+    assert checkpoint.checkpoints(str(out))[-1].endswith('6.pt') and 'step 7 ' not in res.stdout
 
 
 def test_resume_with_another_number_of_processes_says_dropout_is_reseeded(run, data_dir, tmp_path):
@@ -483,7 +485,7 @@ def test_resume_keeps_the_best_checkpoint_unless_a_better_one_comes(run, data_di
 
 def test_resume_with_another_update_freq_continues_at_the_next_batch(run, data_dir, tmp_path):
     out = copy_run(run, tmp_path)
-    n = len(data_prep.batch_plan(data_prep.load_split(data_dir, 'train'), 256, 1337, 0))
+    n = len(dataset.batch_plan(dataset.load_split(data_dir, 'train'), 256, 1337, 0))
     last = 6 + (n - 6) // 2  # epoch 0's last step when batches 6, 7, ... are taken two at a time
     train(
         [f'--max_steps={last + 1}', '--update_freq=2', '--init_from=resume', '--dropout=0.1'], out, data_dir
@@ -549,10 +551,10 @@ def test_compiled_training_does_not_recompile_per_batch_shape(data_dir, tmp_path
         for line in res.stdout.splitlines()
         if line.startswith(('step 8 ', 'step 40 '))
     ]
-    data = data_prep.load_split(data_dir, 'train')
-    plan = data_prep.batch_plan(data, 256, 1337, 0)
+    data = dataset.load_split(data_dir, 'train')
+    plan = dataset.batch_plan(data, 256, 1337, 0)
     shapes = [
-        {tuple(a.shape) for ids in plan[:n] for a in data_prep.collate(data, ids, 0, 1, 2)[:2]}
+        {tuple(a.shape) for ids in plan[:n] for a in dataset.collate(data, ids, 0, 1, 2)[:2]}
         for n in (8, 40)
     ]
     assert len(shapes[1]) > len(shapes[0]) and graphs[0] == graphs[1] <= 8, (graphs, shapes)
@@ -679,7 +681,7 @@ def test_cooldown_takes_the_lr_linearly_to_zero_by_the_budget_that_ends_the_run_
 
 def test_cpu_dropout_keeps_each_element_with_1_minus_p_and_rescales():
     drop, x = torch.nn.Dropout(0.2), torch.ones(200_000, requires_grad=True)
-    data_prep.cpu_dropout(drop)  # train.py's on a CPU, and bench.py's
+    speed.cpu_dropout(drop)  # train.py's on a CPU, and bench.py's
     torch.manual_seed(0)
     y = drop.train()(x)
     kept = y != 0

@@ -19,8 +19,11 @@ import pytest
 import sacrebleu
 import torch
 
+import checkpoint
 import data_prep
+import dataset
 import model as M
+import speed
 import translate as T
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,7 +45,7 @@ def train_reversal(steps=250, **overrides):
     Also used by test_export.py."""
     rng = random.Random(0)
     d = data_prep.train_tokenizer(iter([sentence(rng) for _ in range(3000)]), 400, 'toy')
-    enc, sp = data_prep.load_tokenizer(d), d['special_tokens']
+    enc, sp = dataset.load_tokenizer(d), d['special_tokens']
     cfg = M.Config(**{**dict(vocab_size=enc.n_vocab, tokenizer_size=enc.n_vocab, n_enc_layers=2,
                              n_dec_layers=2, d_model=64, d_ff=128, n_heads=4, dropout=0.0, max_len=80,
                              pad_id=sp['<pad>'], bos_id=sp['<s>'], eos_id=sp['</s>']), **overrides})
@@ -263,7 +266,7 @@ def test_an_output_that_is_an_input_or_a_folder_is_refused(toy, tmp_path, capsys
         with pytest.raises(SystemExit) as e:
             T.main(['--ckpt', str(ckpt), '--input', src, *flags])
         assert e.value.code == 2 and f'{flags[-2]} {flags[-1]}' in capsys.readouterr().err, flags
-    assert open(src).read() == 'alpha beta\n' and data_prep.read_checkpoint(str(ckpt))
+    assert open(src).read() == 'alpha beta\n' and checkpoint.read_checkpoint(str(ckpt))
     assert not os.listdir(folder)
 
 
@@ -273,8 +276,8 @@ def test_a_checkpoint_older_than_tokenizer_size_takes_it_from_its_tokenizer(toy,
     base = torch.load(toy['ckpt'], weights_only=True)
     old = {**base, 'model_cfg': {k: v for k, v in base['model_cfg'].items() if k != 'tokenizer_size'}}
     torch.save(old, tmp_path / 'old.pt')
-    assert T.load_checkpoint(str(tmp_path / 'old.pt'))[0].cfg.tokenizer_size == toy['enc'].n_vocab
-    averaged = data_prep.average_checkpoints([toy['ckpt'], str(tmp_path / 'old.pt')])
+    assert checkpoint.load_checkpoint(str(tmp_path / 'old.pt'))[0].cfg.tokenizer_size == toy['enc'].n_vocab
+    averaged = checkpoint.average_checkpoints([toy['ckpt'], str(tmp_path / 'old.pt')])
     assert averaged.keys() == base['model'].keys()
 
 
@@ -292,7 +295,7 @@ def test_averaging_is_the_mean_of_the_newest_by_step_of_one_run_saved_loadable_a
     avg.parent.mkdir()
     assert translate(toy, avg.parent, '--average-last', '2', '--save-average', str(avg), '--greedy',
                      ckpt=str(tmp_path), src=write_lines(tmp_path / 'src', ['alpha beta'])) != []
-    saved = T.load_checkpoint(str(avg))[2]  # its tokenizer embedded: the relative path does not resolve there
+    saved = checkpoint.load_checkpoint(str(avg))[2]  # its tokenizer embedded: the relative path does not resolve there
     assert saved['averaged'] == ['ckpt_100.pt', 'ckpt_1000.pt'] and saved['step'] == 1000
     for k, v in saved['model'].items():
         torch.testing.assert_close(v, (states[100][k] + states[1000][k]) / 2)
@@ -301,7 +304,7 @@ def test_averaging_is_the_mean_of_the_newest_by_step_of_one_run_saved_loadable_a
                         ('eos_id', {**base, 'model_cfg': {**base['model_cfg'], 'eos_id': 5}})):
         torch.save(other, tmp_path / f'{name}.pt')
         with pytest.raises(SystemExit) as e:
-            data_prep.average_checkpoints([toy['ckpt'], str(tmp_path / f'{name}.pt')])
+            checkpoint.average_checkpoints([toy['ckpt'], str(tmp_path / f'{name}.pt')])
         assert f'{name}.pt' in str(e.value) and name in str(e.value).replace(f'{name}.pt', '')
 
 
@@ -345,7 +348,7 @@ def test_interactive_terminal_translates_each_line_as_typed(toy):
         os.close(master)
 
 
-@pytest.mark.skipif(data_prep.fast_dtype('cpu') != 'bfloat16', reason='this CPU emulates bf16 (slow)')
+@pytest.mark.skipif(speed.fast_dtype('cpu') != 'bfloat16', reason='this CPU emulates bf16 (slow)')
 def test_bfloat16_autocast_decoding_on_cpu_mostly_agrees_with_float32(toy):
     fp32 = list(T.translate_lines(toy['model'], toy['enc'], toy['lines']))
     bf16 = list(T.translate_lines(toy['model'], toy['enc'], toy['lines'], dtype=torch.bfloat16))
@@ -415,27 +418,27 @@ def test_keep_freed_memory_sets_the_glibc_options_it_names(monkeypatch):
             calls.append((option, value))
             return self.accepts
     libc = Libc()
-    monkeypatch.setattr(data_prep.ctypes, 'CDLL', lambda name: libc if name == 'libc.so.6' else None)
-    assert data_prep.keep_freed_memory() is True  # kept: no block mapped apart, the heap trimmed above 1 GB
+    monkeypatch.setattr(speed.ctypes, 'CDLL', lambda name: libc if name == 'libc.so.6' else None)
+    assert speed.keep_freed_memory() is True  # kept: no block mapped apart, the heap trimmed above 1 GB
     assert calls == [(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2 ** 30)]
     calls.clear()
-    assert data_prep.keep_freed_memory(keep=False) is True  # blocks of 8 MB or more mapped apart: given back
+    assert speed.keep_freed_memory(keep=False) is True  # blocks of 8 MB or more mapped apart: given back
     assert calls == [(M_MMAP_THRESHOLD, 8 << 20)]
     libc.accepts = 0
-    assert data_prep.keep_freed_memory() is False
+    assert speed.keep_freed_memory() is False
 
     def no_glibc(name):  # musl, macOS
         raise OSError(name)
-    monkeypatch.setattr(data_prep.ctypes, 'CDLL', no_glibc)
-    assert data_prep.keep_freed_memory() is False
+    monkeypatch.setattr(speed.ctypes, 'CDLL', no_glibc)
+    assert speed.keep_freed_memory() is False
 
 
 def test_fast_dtype_is_bfloat16_only_where_it_is_native(monkeypatch):
     for isa in ('avx512_bf16', 'amx_tile'):
         monkeypatch.setattr(torch.cpu, f'_is_{isa}_supported', lambda: False, raising=False)
-    assert data_prep.fast_dtype('cpu') == 'float32'
+    assert speed.fast_dtype('cpu') == 'float32'
     monkeypatch.setattr(torch.cpu, '_is_amx_tile_supported', lambda: True, raising=False)
-    assert data_prep.fast_dtype('cpu') == 'bfloat16'
+    assert speed.fast_dtype('cpu') == 'bfloat16'
     for native in (False, True):  # a GPU: bf16 from Ampere on, not on a V100 or a T4
         monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: native)
-        assert data_prep.fast_dtype('cuda') == ('bfloat16' if native else 'float32')
+        assert speed.fast_dtype('cuda') == ('bfloat16' if native else 'float32')

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from sacrebleu.metrics import BLEU
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import data_prep
+import checkpoint
+import dataset
 import model as M
-import packed as P
+import speed
 from configurator import override
 
 _t_process = time.time()  # '_': not a setting
@@ -118,11 +119,11 @@ if ddp and device_type == 'cuda':
 if ddp:  # device_id: NCCL connects each rank to its own GPU at once
     dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', timeout=datetime.timedelta(
         minutes=ddp_timeout_minutes), device_id=torch.device(device) if device_type == 'cuda' else None)
-if dtype == 'bfloat16' != data_prep.fast_dtype(device_type):
+if dtype == 'bfloat16' != speed.fast_dtype(device_type):
     log(f"warning: this {device_type} has no native bfloat16 matrix multiply: far slower than float32")
-dtype = data_prep.fast_dtype(device_type) if dtype == 'auto' else dtype
+dtype = speed.fast_dtype(device_type) if dtype == 'auto' else dtype
 torch.manual_seed(seed + rank)
-data_prep.keep_freed_memory(not checkpoint_activations) if device_type == 'cpu' else None  # faster CPU steps
+speed.keep_freed_memory(not checkpoint_activations) if device_type == 'cpu' else None  # faster CPU steps
 torch.backends.cuda.enable_flash_sdp(device_type != 'cpu' or dtype != 'bfloat16')  # CPU bf16: flash slower
 if device_type == 'cuda':  # cuDNN attention plans anew for each shape: bf16 ran 5-10x slower on an H100
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -130,9 +131,9 @@ if device_type == 'cuda':  # cuDNN attention plans anew for each shape: bf16 ran
 autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
                           cache_enabled=not cuda_graphs)  # a graph casts the weights in its replays
 # out_dir: a new run's or the one being resumed, held by this run alone
-data_prep.make_writable(out_dir, 'out_dir')
+checkpoint.make_writable(out_dir, 'out_dir')
 try:  # held until this process ends: a second run would mix its checkpoints into this one's
-    lock = data_prep.lock_folder(out_dir) if master else None
+    lock = checkpoint.lock_folder(out_dir) if master else None
 except BlockingIOError:
     sys.exit(f"out_dir {out_dir} is in use by another train.py run: let it end, or use another --out_dir")
 run_files = [f for f in sorted(os.listdir(out_dir)) if re.fullmatch(r'log\.jsonl|(ckpt|state)\w*\.pt', f)]
@@ -145,25 +146,25 @@ if init_from != 'resume' and run_files and not overwrite:
 if not os.path.exists(os.path.join(data_dir, 'meta.json')):
     sys.exit(f"no prepared data in {data_dir}: prepare it, `python data_prep.py CORPUS ... --out {data_dir}`")
 try:
-    meta, tokenizer = data_prep.load_meta(data_dir), data_prep.tokenizer_dict(data_dir)
-    PAD, BOS, EOS, enc = meta['pad_id'], meta['bos_id'], meta['eos_id'], data_prep.load_tokenizer(tokenizer)
+    meta, tokenizer = dataset.load_meta(data_dir), dataset.tokenizer_dict(data_dir)
+    PAD, BOS, EOS, enc = meta['pad_id'], meta['bos_id'], meta['eos_id'], dataset.load_tokenizer(tokenizer)
     valid_ref = open(os.path.join(data_dir, f"valid.{meta['tgt']}.txt"), encoding='utf-8').read().splitlines()
 except (OSError, ValueError, KeyError, TypeError) as e:
     sys.exit(f"error: {data_dir} is incomplete or damaged ({type(e).__name__}: {e}): prepare it again")
-train_data, valid_data = data_prep.load_split(data_dir, 'train'), data_prep.load_split(data_dir, 'valid')
+train_data, valid_data = dataset.load_split(data_dir, 'train'), dataset.load_split(data_dir, 'valid')
 train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss counts
 
 # model, optimiser, and the state to resume or fine-tune from
-if init_from == 'resume' and not data_prep.checkpoints(out_dir, 'state'):
+if init_from == 'resume' and not checkpoint.checkpoints(out_dir, 'state'):
     sys.exit(f"init_from='resume' but {out_dir} has no state_*.pt")
-init_path = data_prep.checkpoints(out_dir, 'state')[-1] if init_from == 'resume' else init_from
-state = None if init_from == 'scratch' else data_prep.read_checkpoint(init_path)  # its weights and config
+init_path = checkpoint.checkpoints(out_dir, 'state')[-1] if init_from == 'resume' else init_from
+state = None if init_from == 'scratch' else checkpoint.read_checkpoint(init_path)  # its weights and config
 fine_tuned_from = state['fine_tuned_from'] if init_from == 'resume' else state and init_path
 if state is None:  # the vocabulary rounded up to a multiple of 8, so the output matmul fits tensor cores
     model_cfg = M.Config(**{f.name: config[f.name] for f in fields(M.Config) if f.name in config},
                          vocab_size=(meta['vocab_size'] + 7) // 8 * 8, pad_id=PAD, bos_id=BOS, eos_id=EOS)
 else:
-    if not data_prep.same_tokenizer(data_prep.checkpoint_tokenizer(init_path, state), tokenizer):
+    if not dataset.same_tokenizer(checkpoint.checkpoint_tokenizer(init_path, state), tokenizer):
         # Same size is not enough: two BPEs of 8000 merges map the same ids to different words.
         sys.exit(f"{init_path} was trained with another tokenizer than {data_dir}: its token ids would mean "
                  f"other words; train on data prepared with its tokenizer (data_prep.py --tokenizer)")
@@ -186,7 +187,7 @@ if arch:  # said, and the settings made to agree, so the config saved with each 
     log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
     config.update(arch), globals().update(arch)
 for split, data in (('training', train_data), ('validation', valid_data)):
-    sizes = data_prep.pair_sizes(data)  # a pair's padded tokens: its longer side + EOS
+    sizes = dataset.pair_sizes(data)  # a pair's padded tokens: its longer side + EOS
     if len(sizes) and sizes.min() > max_tokens:
         sys.exit(f"max_tokens={max_tokens} is below every {split} pair: raise it to at least {sizes.min()}")
     if (sizes > max_tokens).any():
@@ -196,12 +197,8 @@ for split, data in (('training', train_data), ('validation', valid_data)):
         sys.exit(f"{data_dir} has {split} sentences over the model's max_len={model_cfg.max_len} tokens "
                  f"(with EOS): raise max_len, or leave them out (data_prep.py --max-len)")
 raw_model = M.Transformer(model_cfg).to(device)
-data_prep.cpu_dropout(raw_model) if device_type == 'cpu' else None  # a faster mask on CPUs
-# Fused AdamW (CPU and GPU) reads a found_inf flag and skips the update on the device: no host sync. Weight
-# decay decoupled (Loshchilov & Hutter 2019) and on the matrices alone, as nanoGPT's: gains and biases stay.
-optimizer = torch.optim.AdamW([{'params': [p for p in raw_model.parameters() if p.dim() > 1]}, {'params': [
-    p for p in raw_model.parameters() if p.dim() < 2], 'weight_decay': 0.0}], lr=0.0, betas=(beta1, beta2),
-    eps=adam_eps, weight_decay=weight_decay, fused=True)
+speed.cpu_dropout(raw_model) if device_type == 'cpu' else None  # a faster mask on CPUs
+optimizer = M.configure_optimizer(raw_model, 0.0, (beta1, beta2), adam_eps, weight_decay)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 step, epoch, batch_idx, best_bleu, elapsed = (0, 0, 0, -1.0, 0.0) if init_from != 'resume' else (
     state['step'], state['epoch'], state['next_batch'], state['best_bleu'], state['elapsed'])
@@ -222,15 +219,15 @@ if init_from == 'resume':
 del state
 
 def get_batch(data, ids, packed=False):  # src, tgt_in, the real target rows, their targets; pinned: no wait
-    batch = [torch.from_numpy(x) for x in data_prep.collate(data, ids, PAD, BOS, EOS)]
-    if packed:  # cuda_graphs: each side one row of a fixed size, and where its sentences lie (packed.py)
-        src, tgt_in, rows, sides = P.pack(batch[0], batch[1], PAD, max_tokens + graph_len, graph_len)
+    batch = [torch.from_numpy(x) for x in dataset.collate(data, ids, PAD, BOS, EOS)]
+    if packed:  # cuda_graphs: each side one row of a fixed size, and where its sentences lie (speed.py)
+        src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, max_tokens + graph_len, graph_len)
         return [src, tgt_in, rows, batch[3], *sides]  # copied by the step, not by the prefetching thread
     return [(x.pin_memory() if device_type == 'cuda' else x).to(device, non_blocking=True) for x in batch]
-graph_len = min(2 ** int(np.ceil(np.log2(data_prep.pair_sizes(train_data).max()))), model_cfg.max_len)
+graph_len = min(2 ** int(np.ceil(np.log2(dataset.pair_sizes(train_data).max()))), model_cfg.max_len)
 
 def epoch_plan(epoch):  # the same on every rank: the seed and the epoch decide it
-    plan = data_prep.batch_plan(train_data, max_tokens, seed, epoch)
+    plan = dataset.batch_plan(train_data, max_tokens, seed, epoch)
     if world * update_freq > len(plan):
         sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, fewer than the "
                  f"{world * update_freq} an update needs ({world} process(es) x update_freq {update_freq})")
@@ -270,7 +267,7 @@ chunk_fn = torch.compile(M.loss_chunk, dynamic=True) if compile else M.loss_chun
 model = DDP(train_model, device_ids=[torch.cuda.current_device()] if device_type == 'cuda' else None,
             gradient_as_bucket_view=True, **{'forward_sync_buffers' if torch.__version__ >= (2, 13) else
             'broadcast_buffers': False}) if ddp and not cuda_graphs else train_model  # sinusoids: constant
-graphed = P.Graphed(train_model) if cuda_graphs else None
+graphed = speed.Graphed(train_model) if cuda_graphs else None
 
 def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
@@ -292,7 +289,7 @@ def validation_bleu():
     lengths = np.diff(valid_data[1])
     mine = [i for i in range(rank, len(valid_ref), world) if 0 < lengths[i] < model_cfg.max_len]
     sizes, hyps = lengths[mine] + 1, {}
-    for batch in data_prep.token_batches(sizes, np.argsort(-sizes, kind='stable'), 4096):
+    for batch in dataset.token_batches(sizes, np.argsort(-sizes, kind='stable'), 4096):
         ids = [mine[j] for j in batch]
         with autocast:
             out = M.beam_search(raw_model, get_batch(valid_data, ids)[0], bleu_beam, bleu_lenpen)
@@ -306,7 +303,7 @@ def evaluate(final=False):  # every rank takes part: each validates its share
     global best_bleu
     raw_model.eval()
     sums = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens over this rank's share of batches
-    for ids in data_prep.batch_plan(valid_data, max_tokens, seed, 0, shuffle=False)[rank::world]:
+    for ids in dataset.batch_plan(valid_data, max_tokens, seed, 0, shuffle=False)[rank::world]:
         src, tgt_in, rows, targets = get_batch(valid_data, ids)
         with autocast:
             loss, nll = M.label_smoothed_loss(raw_model(src, tgt_in, rows), raw_model.embed.weight, targets,
@@ -333,13 +330,13 @@ def save(path, full=False, **extra):  # weights (averaging and translate.py read
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch, rng=rng,
                     next_batch=batch_idx, best_bleu=best_bleu, elapsed=clock,
                     train_split=meta['splits']['train'])
-    data_prep.save_atomic(ckpt, path) if master else None
+    checkpoint.save_atomic(ckpt, path) if master else None
 
-def checkpoint():  # a training state to resume from and a weights snapshot to average; the oldest go
+def save_snapshots():  # a training state to resume from and a weights snapshot to average; the oldest go
     save(os.path.join(out_dir, f'state_{step:07d}.pt'), full=True)
     save(os.path.join(out_dir, f'ckpt_{step:07d}.pt'))
     for prefix, keep in (('state', keep_state), ('ckpt', keep_last)) if master else []:
-        for old in data_prep.checkpoints(out_dir, prefix)[:-keep]:
+        for old in checkpoint.checkpoints(out_dir, prefix)[:-keep]:
             os.remove(old)
     dist.barrier() if ddp else None  # the other ranks read these files at the end (averaging)
 
@@ -384,7 +381,7 @@ while step < max_steps:
     except torch.cuda.OutOfMemoryError:
         sys.exit(f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise update_freq "
                  f"to keep the same tokens per update, or recompute with checkpoint_activations=True")
-    P.all_reduce_grads(train_model) if ddp and cuda_graphs else None  # DDP's hooks see no graph replay
+    speed.all_reduce_grads(train_model) if ddp and cuda_graphs else None  # DDP's hooks see no graph replay
     for p, q in zip(raw_model.parameters(), train_model.parameters()) if master_weights else []:
         p.grad, q.grad = q.grad.float(), None  # the float32 model takes the gradients (master_weights)
     scaler.unscale_(optimizer)
@@ -432,13 +429,13 @@ while step < max_steps:
         evaluate()
     if (save_interval and step % save_interval == 0) or step == max_steps \
             or (save_minutes > 0 and clock - last_save > save_minutes * 60):
-        checkpoint()
+        save_snapshots()
         last_save = clock
     t_last = time.time() if step % log_interval == 0 else t_last  # evaluation and saving: not in tokens/s
 
 # Section 6.1: the reported models average the last checkpoints, written at regular intervals.
-newest = data_prep.checkpoints(out_dir)[-average_last:]
-raw_model.load_state_dict(data_prep.average_checkpoints(newest))
+newest = checkpoint.checkpoints(out_dir)[-average_last:]
+raw_model.load_state_dict(checkpoint.average_checkpoints(newest))
 save(os.path.join(out_dir, 'ckpt.pt'))
 log(f"averaged {len(newest)} checkpoint(s) into {os.path.join(out_dir, 'ckpt.pt')}")
 evaluate(final=True)

@@ -8,7 +8,6 @@ order, optionally scored against a reference with sacreBLEU, chrF and the paper'
     python translate.py --ckpt out/multi30k_en_de/ct2 ...  # an export_ct2.py export, decoded by CTranslate2
 """
 import argparse
-import json
 import math
 import os
 import re
@@ -22,69 +21,16 @@ import torch.nn as nn
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
+import checkpoint
 import data_prep
+import dataset
+import export_ct2
 import model as M
-from data_prep import fail
-
-
-def warn(msg):
-    print(f"{os.path.basename(sys.argv[0])}: warning: {msg}", file=sys.stderr)
-
+import speed
+from checkpoint import fail
 
 # -----------------------------------------------------------------------------------------------
 # loading a checkpoint or an export
-
-def check_tokenizer(path, cfg, enc):
-    # A model trained with another tokenizer would silently produce garbage: refuse it instead.
-    if cfg.vocab_size < enc.n_vocab:
-        fail(f"{path}: model vocab_size {cfg.vocab_size} is below the tokenizer's {enc.n_vocab} tokens")
-    for name, want in (('<pad>', cfg.pad_id), ('<s>', cfg.bos_id), ('</s>', cfg.eos_id)):
-        if enc.encode(name, allowed_special='all') != [want]:
-            fail(f"{path}: the tokenizer's {name} is not the model's id {want}")
-    cfg.tokenizer_size = enc.n_vocab  # decoding never generates the ids past it (a checkpoint may not say)
-
-
-def default_lenpen(ckpt, path='checkpoint'):
-    # The model's own length penalty: the one its training config validated with (train.py bleu_lenpen).
-    config = ckpt.get('config')
-    alpha = config.get('bleu_lenpen', 0.6) if isinstance(config, dict) else 0.6
-    if type(alpha) not in (int, float) or not 0 <= alpha < math.inf:
-        fail(f"{path}: its config's bleu_lenpen {alpha!r} is not a number of at least 0")
-    return alpha
-
-
-def load_checkpoint(path, device='cpu', state_dict=None):
-    """-> (model in eval mode on device, tiktoken Encoding, checkpoint dict). state_dict replaces the
-    checkpoint's weights (averaging)."""
-    ckpt = data_prep.read_checkpoint(path)
-    try:
-        cfg = M.Config(**ckpt['model_cfg'])
-        if cfg.d_model % cfg.n_heads and not cfg.d_head:  # d_head: any h, h * d_k need not be d_model
-            raise ValueError(f"d_model={cfg.d_model} is not a multiple of n_heads={cfg.n_heads}")
-        enc = data_prep.load_tokenizer(data_prep.checkpoint_tokenizer(path, ckpt))
-        model = M.Transformer(cfg)
-        model.load_state_dict(ckpt['model'] if state_dict is None else state_dict)
-    except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        fail(f"{path}: its model_cfg, tokenizer and weights do not fit ({type(e).__name__}: "
-             f"{' '.join(str(e).split())[:200]})")
-    check_tokenizer(path, cfg, enc)
-    default_lenpen(ckpt, path)
-    return model.to(device).eval(), enc, ckpt
-
-
-def newest_checkpoints(path, n):
-    """--average-last: the newest n ckpt_STEP.pt of --ckpt's folder (or of --ckpt, a folder)."""
-    if n < 1:
-        fail(f"--average-last {n}: must be at least 1")
-    if not os.path.exists(path):
-        fail(f"checkpoint {path} not found")
-    folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
-    found = data_prep.checkpoints(folder)
-    if not found:
-        fail(f"no ckpt_STEP.pt checkpoints in {folder} to average")
-    if len(found) < n:
-        warn(f"--average-last {n}: only {len(found)} checkpoint(s) in {folder}")
-    return found[-n:]
 
 
 @contextmanager
@@ -122,120 +68,6 @@ def packed_weights(model, reuse=None):
         model.__dict__.pop('output', None)
 
 
-CT2_MARKER = 'export_ct2.json'  # our Config and provenance, next to CTranslate2's model.bin
-
-
-def is_ct2_export(path):
-    return os.path.isfile(os.path.join(path, CT2_MARKER))
-
-
-class CT2Model:
-    """An export decoded by ctranslate2.Translator, with what translate_lines needs of a model: cfg, device,
-    train()/eval() (no-ops), and decode(), which returns what model.beam_search returns.
-
-    The output cap is model.py's, a * |src incl. EOS| + b per sentence, exactly: CTranslate2 takes one
-    max_decoding_length per call, so a batch is decoded under its longest cap and the sentences whose output
-    reached their own cap are decoded again under it. CTranslate2 ranks finished hypotheses by
-    log P / |Y|^alpha, not GNMT's penalty: all beam-size hypotheses are asked for, log P recovered from the
-    score, and they are re-ranked as model.py ranks them (docs/serving.md says what still differs)."""
-    training = False
-
-    def __init__(self, path, device='cpu', compute_type='default'):
-        try:
-            import ctranslate2
-        except ImportError:
-            fail(f"{path} is a CTranslate2 export: pip install ctranslate2")
-        try:
-            with open(os.path.join(path, CT2_MARKER), encoding='utf-8') as f:
-                marker = json.load(f)
-            self.cfg, self.lenpen = M.Config(**marker['model_cfg']), marker.get('lenpen', 0.6)
-            with open(os.path.join(path, 'shared_vocabulary.json'), encoding='utf-8') as f:
-                self.tokens = json.load(f)
-            kind, _, index = device.partition(':')
-            self.translator = ctranslate2.Translator(
-                path, device=kind, device_index=int(index or 0), compute_type=compute_type,
-                intra_threads=torch.get_num_threads() if kind == 'cpu' else 0)  # OMP_NUM_THREADS, as torch
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
-            fail(f"cannot load CTranslate2 export {path}: {type(e).__name__}: {str(e).strip()[:200]}")
-        self.path, self.device = path, torch.device('cpu')
-        self.ids = {t: i for i, t in enumerate(self.tokens)}
-        self.compute_type = self.translator.compute_type
-
-    def train(self, mode=True):  # translate_lines' switch to eval mode and back is for torch models
-        return self
-
-    def eval(self):
-        return self
-
-    def decode(self, src, beam, alpha, max_len_a, max_len_b, nbest):
-        cfg = self.cfg  # as model.py, never PAD, BOS or the ids past the tokenizer's (vocab_size rounds up)
-        never = [['<pad>'], ['<s>'], *([t] for t in self.tokens[cfg.tokenizer_size or cfg.vocab_size:])]
-        limit = M.max_lengths(self, src, max_len_a, max_len_b).tolist()
-        # The export appends EOS itself (add_source_eos, as CTranslate2's fairseq converter sets it).
-        rows = [[self.tokens[t] for t in row if t != cfg.pad_id][:-1] for row in src.tolist()]
-        out = [None] * len(rows)
-        todo = [i for i in range(len(rows)) if limit[i] > 1]
-        short = [i for i in range(len(rows)) if limit[i] <= 1]  # a cap of 1: room for EOS only, scored
-        for i, s in zip(short, self.translator.score_batch([rows[i] for i in short], [[]] * len(short),
-                                                           max_input_length=0) if short else []):
-            out[i] = [([], sum(s.log_probs) / (M.length_penalty(1, alpha) if beam > 1 else 1))]
-        if beam == 1 or alpha != 0:
-            groups = [todo]
-        else:  # without a penalty CTranslate2 stops early, and when it stopped cannot be told: cap by cap
-            groups = [[i for i in todo if limit[i] == n] for n in sorted({limit[i] for i in todo})]
-        while groups:
-            group = groups.pop()
-            if not group:
-                continue
-            steps = max(limit[i] for i in group) - 1  # model.py's cap includes the EOS it forces
-            results = self.translator.translate_batch(
-                [rows[i] for i in group], beam_size=beam, num_hypotheses=beam,
-                length_penalty=alpha if beam > 1 else 0, max_decoding_length=steps, min_decoding_length=0,
-                max_input_length=0, return_scores=True, return_end_token=True, suppress_sequences=never)
-            redo, finished = {}, []
-            for i, r in zip(group, results):
-                # Search finished on the step its longest hypothesis ended; before this sentence's own last
-                # step, a shorter cap would have found the same.
-                if limit[i] - 1 < steps and max(map(len, r.hypotheses)) >= limit[i] - 1:
-                    redo.setdefault(limit[i], []).append(i)
-                else:
-                    finished.append((i, r))
-            # At the cap CTranslate2 ends a hypothesis without EOS, and its score lacks EOS's log-probability,
-            # which model.py forces there and counts: those are scored again, score_batch appending EOS.
-            capped = [(i, h) for i, r in finished for h in r.hypotheses if h[-1:] != ['</s>']]
-            scored = self.translator.score_batch([rows[i] for i, _ in capped], [h for _, h in capped],
-                                                 max_input_length=0) if capped else []
-            logp = {}
-            for (i, h), s in zip(capped, scored):
-                logp.setdefault(i, {})[tuple(h)] = sum(s.log_probs)
-            for i, r in finished:
-                out[i] = self.rerank(r, beam, alpha, logp.get(i, {}))[:nbest]
-            groups += redo.values()
-        return out
-
-    def rerank(self, result, beam, alpha, capped_logp):
-        hyps = []
-        for toks, score in zip(result.hypotheses, result.scores):
-            ids = [self.ids[t] for t in toks]
-            logp = capped_logp.get(tuple(toks), score * len(ids) ** alpha if beam > 1 else score)
-            if ids and ids[-1] == self.cfg.eos_id:
-                ids.pop()
-            # |Y| counts EOS, also where the cap cut the hypothesis before it (model.py forces one there).
-            hyps.append((ids, logp / M.length_penalty(len(ids) + 1, alpha) if beam > 1 else logp))
-        return sorted(hyps, key=lambda h: -h[1])
-
-
-def load_ct2(path, device='cpu', compute_type='default'):
-    """-> (CT2Model, tiktoken Encoding) of an export_ct2.py directory."""
-    model = CT2Model(path, device, compute_type)
-    try:
-        enc = data_prep.load_tokenizer(os.path.join(path, 'tokenizer.json'))
-    except Exception as e:
-        fail(f"{path}: cannot load its tokenizer: {type(e).__name__}: {e}")
-    check_tokenizer(path, model.cfg, enc)
-    return model, enc
-
-
 # -----------------------------------------------------------------------------------------------
 # translation
 
@@ -249,7 +81,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
     if nbest > (1 if greedy else beam):
         raise ValueError(f"nbest {nbest} needs a beam at least that wide")
     cfg = model.cfg
-    device = model.device if isinstance(model, CT2Model) else next(model.parameters()).device
+    device = model.device if isinstance(model, export_ct2.CT2Model) else next(model.parameters()).device
     # Source + EOS fill at most the positional table; the output cap a * |src| + b is lowered to the table
     # where it must be (model.max_lengths), as fairseq does, and a translation that reaches it is named.
     limit, lines, srcs = cfg.max_len - 1, list(lines), {}
@@ -257,14 +89,14 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
         if line.strip():
             toks = enc.encode_ordinary(line.strip())  # ordinary: text spelling '</s>' is words, not EOS
             if len(toks) > limit:
-                warn(f"line {first_line + i}: {len(toks)} tokens, truncated to the model's limit of {limit}")
+                checkpoint.warn(f"line {first_line + i}: {len(toks)} tokens, truncated to the model's limit of {limit}")
                 toks = toks[:limit]
             srcs[i] = toks + [cfg.eos_id]
     # Longest first: padding stays small, and a batch too large for memory fails at once, not at the end.
     ids = list(srcs)
     sizes = np.array([len(srcs[i]) for i in ids], dtype=np.int64)
     batches = [[ids[j] for j in b]
-               for b in data_prep.token_batches(sizes, np.argsort(-sizes, kind='stable'), max_tokens)]
+               for b in dataset.token_batches(sizes, np.argsort(-sizes, kind='stable'), max_tokens)]
     autocast = (nullcontext() if dtype is None else
                 torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
     if stats is not None:
@@ -283,7 +115,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                 # no_grad, autocast and packed weights only around the work: a generator must not leak
                 # them to the caller (who may train the model between two lines).
                 with torch.no_grad(), autocast, packed_weights(model, packs) if pack else nullcontext():
-                    if isinstance(model, CT2Model):
+                    if isinstance(model, export_ct2.CT2Model):
                         out = model.decode(src, 1 if greedy else beam, alpha, max_len_a, max_len_b, nbest)
                     elif greedy:
                         out = M.greedy_decode(model, src, max_len_a, max_len_b)
@@ -292,7 +124,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                 for i, hyps in zip(batch, out):
                     cap = int(max_len_a * len(srcs[i]) + max_len_b)
                     if cap > cfg.max_len - 1 and len(hyps[0][0]) >= cfg.max_len - 2:
-                        warn(f"line {first_line + i}: translation stopped at the model's limit of "
+                        checkpoint.warn(f"line {first_line + i}: translation stopped at the model's limit of "
                              f"{cfg.max_len - 2} tokens (max_len {cfg.max_len}), below a * |src| + b = {cap}")
                 done.update(zip(batch, out))
             while nxt < len(lines) and (nxt in done or nxt not in srcs):
@@ -399,7 +231,7 @@ def main(argv=None):
         p.error("--save-average needs --average-last")
     if args.save_average and os.path.abspath(args.save_average) == os.path.abspath(args.output or ''):
         p.error("--save-average and --output name one file")
-    ct2 = is_ct2_export(args.ckpt)
+    ct2 = export_ct2.is_ct2_export(args.ckpt)
     if ct2 and (args.average_last or args.dtype or args.compile):
         p.error("--average-last, --dtype and --compile are for checkpoints: export the average")
     args.device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
@@ -411,7 +243,7 @@ def main(argv=None):
     if interactive and args.ref:
         p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
     inputs = [q for q in (args.input, args.ref, args.ckpt) if q and os.path.exists(q)]
-    inputs += data_prep.checkpoints(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt))
+    inputs += checkpoint.checkpoints(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt))
     for flag in ('output', 'save_average'):  # before the model loads: a bad output fails now
         path = getattr(args, flag)
         if path and os.path.exists(path) and (os.path.isdir(path) or any(os.path.samefile(path, q)
@@ -423,29 +255,29 @@ def main(argv=None):
         fail(f"{args.ref} has {len(refs)} lines but {args.input or '<stdin>'} has {len(lines)}")
 
     if args.device == 'cpu':
-        data_prep.keep_freed_memory()
+        speed.keep_freed_memory()
     if args.device.startswith('cuda'):  # cuDNN attention plans anew for each shape (docs/performance.md)
         torch.backends.cuda.enable_cudnn_sdp(False)
     if ct2:
-        model, enc = load_ct2(args.ckpt, args.device, args.ct2_compute_type)
+        model, enc = export_ct2.load_ct2(args.ckpt, args.device, args.ct2_compute_type)
     elif args.average_last:
-        paths = newest_checkpoints(args.ckpt, args.average_last)
-        warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
-        model, enc, ckpt = load_checkpoint(paths[-1], args.device, data_prep.average_checkpoints(paths))
+        paths = checkpoint.newest_checkpoints(args.ckpt, args.average_last)
+        checkpoint.warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
+        model, enc, ckpt = checkpoint.load_checkpoint(paths[-1], args.device, checkpoint.average_checkpoints(paths))
         if args.save_average:  # the tokenizer embedded: a path the checkpoints name may not resolve there
             keep = {k: ckpt[k] for k in ('model_cfg', 'step', 'config', 'data_dir') if k in ckpt}
-            keep.update(tokenizer=data_prep.checkpoint_tokenizer(paths[-1], ckpt),
+            keep.update(tokenizer=checkpoint.checkpoint_tokenizer(paths[-1], ckpt),
                         averaged=[os.path.basename(q) for q in paths])
-            data_prep.save_atomic({'model': model.state_dict(), **keep}, args.save_average)
+            checkpoint.save_atomic({'model': model.state_dict(), **keep}, args.save_average)
     else:
-        model, enc, ckpt = load_checkpoint(args.ckpt, args.device)
+        model, enc, ckpt = checkpoint.load_checkpoint(args.ckpt, args.device)
     if args.compile:  # frozen weights are constants that inductor prepacks on a CPU, as packed_weights does
         import torch._inductor.config as inductor
         inductor.freezing = True
         model.decode, model.output = torch.compile(model.decode, dynamic=True), torch.compile(model.output)
     if args.lenpen is None:
-        args.lenpen = model.lenpen if ct2 else default_lenpen(ckpt)
-    dtype = None if ct2 else getattr(torch, args.dtype or (data_prep.fast_dtype('cuda') if
+        args.lenpen = model.lenpen if ct2 else checkpoint.default_lenpen(ckpt)
+    dtype = None if ct2 else getattr(torch, args.dtype or (speed.fast_dtype('cuda') if
                                                             args.device.startswith('cuda') else 'float32'))
     opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                 max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype,
@@ -458,7 +290,7 @@ def main(argv=None):
                      or os.path.exists(real) and not os.path.isfile(real)):
             out = open(args.output, 'a', encoding='utf-8', newline='\n')
         elif real:
-            tmp = data_prep.temporary(real)
+            tmp = checkpoint.temporary(real)
             out = open(tmp, 'w', encoding='utf-8', newline='\n')
         done = write_translations(args, model, enc, lines, out, opts)
         if out is not sys.stdout:
@@ -481,7 +313,7 @@ def main(argv=None):
           f"{'greedy' if args.greedy else f'beam {args.beam}, lenpen {args.lenpen:g}'}"
           f"{', exact' if args.exact and not args.greedy else ''})", file=sys.stderr)
     if refs is not None and not hyps:
-        warn(f"{args.input or '<stdin>'} is empty: nothing to score")
+        checkpoint.warn(f"{args.input or '<stdin>'} is empty: nothing to score")
     elif refs is not None:
         for name, metric in (('sacreBLEU', BLEU()), ('chrF', CHRF())):
             print(f"{name}: {metric.corpus_score(hyps, [refs])}  ({metric.get_signature()})", file=sys.stderr)

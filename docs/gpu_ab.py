@@ -3,7 +3,7 @@ The GPU A/B and profile behind docs/performance.md: model.py's training step as 
 it (layers compiled with dynamic shapes, the loss's chunks compiled, bf16, fused Adam) on bench.py's synthetic
 WMT-like batches, in several variants in one process, the rounds alternating; medians with MFU.
     padded   today's step: padded batches, SDPA with the padding mask
-    packed   the same sentences end to end (packed.pack): flash attention over variable lengths, no padding
+    packed   the same sentences end to end (speed.pack): flash attention over variable lengths, no padding
     graphs   packed to a fixed size, the model's forward and backward replayed as CUDA graphs (one per shape)
     eager-graphs   the same without torch.compile
     bf16, graphs-bf16   padded or graphs with the weights in bf16 and no autocast: what the casts cost at most
@@ -24,9 +24,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import bench  # noqa: E402
 import model as M  # noqa: E402
-import packed as P  # noqa: E402
+import speed
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument('--old', help="another version's model.py: variant 'old'")
@@ -61,7 +62,7 @@ def to_dev(b):
 def packed_batches(batches, size=None, max_len=None):  # on the host, as train.py's get_batch would
     out = []
     for src, tgt_in, rows, targets in batches:
-        s, t, rows, (ps, pt) = P.pack(src, tgt_in, cfg.pad_id, size, max_len)
+        s, t, rows, (ps, pt) = speed.pack(src, tgt_in, cfg.pad_id, size, max_len)
         out.append((s.to(dev), t.to(dev), rows, targets.to(dev), ps.to(dev), pt.to(dev)))
     return out
 
@@ -78,14 +79,14 @@ def trainer(lib, name, compiled=True):
         layer.compile(dynamic=True)
     chunk_fn = torch.compile(lib.loss_chunk, dynamic=True) if compiled else lib.loss_chunk
     opt = torch.optim.Adam(weights.parameters(), 1e-4, (0.9, 0.98), 1e-9, fused=dev.type == 'cuda')
-    graphed = P.Graphed(model)
+    graphed = speed.Graphed(model)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == 'cuda' and not bf16,
                               cache_enabled=False)
 
     def forward(src, tgt_in, rows, ps=None, pt=None):
         if ps is None:
             return model(src, tgt_in, rows)
-        return (graphed if 'graphs' in name else lambda *a: P.forward(model, *a))(src, tgt_in, rows, (ps, pt))
+        return (graphed if 'graphs' in name else lambda *a: speed.forward(model, *a))(src, tgt_in, rows, (ps, pt))
 
     def steps(bs):
         for src, tgt_in, rows, targets, *packed in bs:

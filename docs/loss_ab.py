@@ -6,7 +6,7 @@ positions (as train.py computed it until d2e49a4) against model.label_smoothed_l
     python docs/loss_ab.py - memtiny chunked|plain    # the same, a tiny model (d_model 64, 1+1 layers)
     python docs/loss_ab.py - mem checkpointed         # chunked, with train.py's checkpoint_activations=True
     PAIR=chunked,checkpointed python docs/loss_ab.py data/multi30k_en_de step   # what recomputing costs
-DTYPE=float32 picks float32 (default: data_prep.fast_dtype). Measurements, not a test: free cores.
+DTYPE=float32 picks float32 (default: speed.fast_dtype). Measurements, not a test: free cores.
 """
 
 import os
@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data_prep  # noqa: E402
+import dataset
 import model as M  # noqa: E402
+import speed
 
 
 def plain_loss(logits, target, eps=0.1, pad_id=0):  # d2e49a4's label_smoothed_loss
@@ -37,7 +38,7 @@ def plain_loss(logits, target, eps=0.1, pad_id=0):  # d2e49a4's label_smoothed_l
 def build(cfg):  # the model as train.py trains it on a CPU, and its optimizer
     torch.manual_seed(0)
     model = M.Transformer(cfg).train()
-    data_prep.cpu_dropout(model)
+    speed.cpu_dropout(model)
     return model, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
 
 
@@ -70,13 +71,13 @@ def step(model, opt, batch, how, autocast, pad):
 
 if __name__ == '__main__':
     data_dir, mode = sys.argv[1], sys.argv[2]
-    data_prep.keep_freed_memory(keep=sys.argv[3:] != ['checkpointed'])  # as train.py on a CPU
-    dtype = __import__('os').environ.get('DTYPE') or data_prep.fast_dtype('cpu')
+    speed.keep_freed_memory(keep=sys.argv[3:] != ['checkpointed'])  # as train.py on a CPU
+    dtype = __import__('os').environ.get('DTYPE') or speed.fast_dtype('cpu')
     if dtype == 'bfloat16':
         torch.backends.cuda.enable_flash_sdp(False)
     autocast = torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == 'bfloat16')
     if mode == 'step':  # the Multi30k recipe's model and batches
-        meta = data_prep.load_meta(data_dir)
+        meta = dataset.load_meta(data_dir)
         cfg = M.Config(
             vocab_size=(meta['vocab_size'] + 7) // 8 * 8,
             n_enc_layers=3,
@@ -87,11 +88,11 @@ if __name__ == '__main__':
             dropout=0.2,
             pre_norm=True,
         )
-        data = data_prep.load_split(data_dir, 'train')
-        plan = data_prep.batch_plan(data, 2048, 1337, 0)
+        data = dataset.load_split(data_dir, 'train')
+        plan = dataset.batch_plan(data, 2048, 1337, 0)
         batches = []
         for ids in plan[:130]:
-            src, tgt_in, rows, targets = data_prep.collate(data, ids, 0, 1, 2)
+            src, tgt_in, rows, targets = dataset.collate(data, ids, 0, 1, 2)
             tgt_out = np.zeros(tgt_in.size, np.int64)
             tgt_out[rows] = targets
             batches.append(tuple(map(torch.from_numpy, (src, tgt_in, tgt_out.reshape(tgt_in.shape)))))

@@ -1,9 +1,9 @@
 """
-Sentences laid end to end, without padding, for the GPU (docs/performance.md, "GPU (H100, 2026-11-27)"): each
-side of a batch becomes one row (B = 1), attention stays within each sentence (flash attention over variable
-lengths), and a row padded to a fixed size gives the few shapes that CUDA graphs need. model.py takes these
-rows through its masks (packed.forward); train.py's padded batches are the default.
+Speed paths that change how fast a step runs, not what it computes: the CPU's policy (bf16 where native,
+malloc, dropout masks) and the GPU's (packed rows, CUDA graphs).
 """
+import contextlib
+import ctypes
 import math
 from typing import NamedTuple
 
@@ -11,6 +11,36 @@ import torch
 import torch.nn.functional as F
 
 from model import attention_weights
+
+
+def fast_dtype(device_type):
+    """'bfloat16' where bf16 matrix multiply is native (GPUs since Ampere, AVX512-BF16 or AMX), else
+    'float32': an AVX2-only CPU emulates bf16 at many times the cost (docs/performance.md)."""
+    if device_type == 'cuda':
+        return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
+    isas = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False) for isa in ('avx512_bf16', 'amx_tile')]
+    return 'bfloat16' if device_type == 'cpu' and any(f() for f in isas) else 'float32'
+
+
+def keep_freed_memory(keep=True):
+    """Keep freed memory (a batch's logits) in the process, not faulted in again page by page (glibc gives
+    blocks over 32 MB back to the OS; docs/performance.md); keep=False gives back each freed block of 8 MB or
+    more at once: a lower peak, paid in page faults (checkpoint_activations). -> False without glibc."""
+    with contextlib.suppress(OSError):  # glibc's M_MMAP_MAX, M_TRIM_THRESHOLD; M_MMAP_THRESHOLD
+        opts = [(-4, 0), (-1, 2 ** 30)] if keep else [(-3, 2 ** 23)]
+        return all(ctypes.CDLL('libc.so.6').mallopt(*o) for o in opts)
+    return False
+
+
+def cpu_dropout(model):  # nn.Dropout's CPU mask (bernoulli_) takes twice rand_like's time: performance.md
+    def forward(self, x):  # the draws in float32: bf16 would round p
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p if self.training and self.p > 0 else None
+        return x if keep is None else x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+    for m in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:
+        m.forward = forward.__get__(m)
+
+
+# --- packed rows (cuda_graphs) ------------------------------------------------------------
 
 
 def attend(q, k, v, rows_q, rows_k, causal, dropout_p):

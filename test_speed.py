@@ -1,4 +1,4 @@
-"""packed.py: sentences end to end give the padded batch's loss and gradients; the graphed step and its
+"""speed.py: sentences end to end give the padded batch's loss and gradients; the graphed step and its
 all-reduce, as far as a CPU can check them (test_gpu.py runs the flash kernel)."""
 import os
 
@@ -8,21 +8,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import data_prep
+import dataset
 import model as M
-import packed as P
+import speed
 from test_model import BOS, EOS, PAD, VARIATIONS, pad_batch, real_rows, tiny
 from test_train import load_function, toy_corpus
 
 
 def packed_and_padded_grads(m, src, tgt_out, **pack_kw):
-    """(loss, gradients) of one batch padded, then packed by packed.pack (pack_kw: size, max_len)."""
+    """(loss, gradients) of one batch padded, then packed by speed.pack (pack_kw: size, max_len)."""
     shifted = tgt_out[:, :-1].masked_fill(tgt_out[:, :-1] == EOS, PAD)
     tgt_in = torch.cat([torch.full_like(src[:, :1], BOS), shifted], 1)
     rows, targets = real_rows(tgt_out)
-    src_p, tgt_p, rows_p, sides = P.pack(src.cpu(), tgt_in.cpu(), PAD, **pack_kw)  # on the host
+    src_p, tgt_p, rows_p, sides = speed.pack(src.cpu(), tgt_in.cpu(), PAD, **pack_kw)  # on the host
     packed = tuple(side.to(src.device) for side in sides)
     out = []
-    for x in (m(src, tgt_in, rows), P.forward(m, src_p.to(src.device), tgt_p.to(src.device), rows_p, packed)):
+    for x in (m(src, tgt_in, rows), speed.forward(m, src_p.to(src.device), tgt_p.to(src.device), rows_p, packed)):
         loss, _ = M.label_smoothed_loss(x, m.embed.weight, targets)
         out.append((loss, torch.autograd.grad(loss, list(m.parameters()))))
     return out
@@ -45,10 +46,10 @@ def test_packed_rows_give_the_padded_loss_and_gradients(pre_norm, kw, pack_kw):
 
 def test_pack_lays_sentences_end_to_end_in_few_shapes():
     src, tgt_in = pad_batch([[5, 6, EOS], [7, EOS]]), pad_batch([[BOS, 5, 6], [BOS, 8]])
-    s, t, rows, (ps, pt) = P.pack(src, tgt_in, PAD)
+    s, t, rows, (ps, pt) = speed.pack(src, tgt_in, PAD)
     assert s.tolist() == [[5, 6, EOS, 7, EOS]] and t.tolist() == [[BOS, 5, 6, BOS, 8]] and rows == slice(0, 5)
     assert ps.cu.tolist() == [0, 3, 5] and ps.pos.tolist() == [0, 1, 2, 0, 1] and ps.max_len == 3
-    s, t, rows, (ps, pt) = P.pack(src, tgt_in, PAD, size=12, max_len=4)  # 7 PADs: sentences of 4 and 3
+    s, t, rows, (ps, pt) = speed.pack(src, tgt_in, PAD, size=12, max_len=4)  # 7 PADs: sentences of 4 and 3
     assert s.shape == t.shape == (1, 12) and rows == slice(0, 5) and ps.max_len == pt.max_len == 4
     assert ps.cu.tolist() == pt.cu.tolist() == [0, 3, 5, 9, 12, 12, 12, 12]  # 8 offsets: a power of two
     assert ps.pos.tolist()[5:] == [0, 1, 2, 3, 0, 1, 2]
@@ -59,28 +60,28 @@ def test_graphed_captures_once_per_shape_and_gives_the_models_states(monkeypatch
     monkeypatch.setattr(torch.cuda, 'make_graphed_callables', lambda body, inputs: captured.append(
         [x.shape for x in inputs]) or body)
     m = tiny().train()
-    graphed = P.Graphed(m)
+    graphed = speed.Graphed(m)
     for src in ([[5, 6, EOS], [7, EOS]], [[4, EOS], [8, 9, EOS]], [[k, EOS] for k in range(3, 10)]):
         src = pad_batch(src)
-        s, t, rows, sides = P.pack(src, src.roll(1, 1), PAD, size=16, max_len=4)
-        torch.testing.assert_close(graphed(s, t, rows, sides), P.forward(m, s, t, rows, sides))
+        s, t, rows, sides = speed.pack(src, src.roll(1, 1), PAD, size=16, max_len=4)
+        torch.testing.assert_close(graphed(s, t, rows, sides), speed.forward(m, s, t, rows, sides))
     assert len(captured) == 2  # the first two batches share a shape; the third has more sentences
     assert captured[0][:2] == [(1, 16), (1, 16)] and captured[0][2] != captured[1][2]
 
 
 def test_train_pys_packed_batches_give_its_padded_loss(tmp_path):
     data_dir = toy_corpus(tmp_path)
-    meta, data = data_prep.load_meta(data_dir), data_prep.load_split(data_dir, 'train')
+    meta, data = dataset.load_meta(data_dir), dataset.load_split(data_dir, 'train')
     ids, cfg = list(range(6)), M.Config(vocab_size=(meta['vocab_size'] + 7) // 8 * 8, n_enc_layers=1,
                                         n_dec_layers=1, d_model=32, d_ff=64, n_heads=4, dropout=0.0,
                                         **{k: meta[k] for k in ('pad_id', 'bos_id', 'eos_id')})
-    get_batch = load_function('get_batch', torch=torch, data_prep=data_prep, P=P, PAD=meta['pad_id'],
+    get_batch = load_function('get_batch', torch=torch, dataset=dataset, speed=speed, PAD=meta['pad_id'],
                               BOS=meta['bos_id'], EOS=meta['eos_id'], device='cpu', device_type='cpu',
                               max_tokens=256, graph_len=64)
     torch.manual_seed(0)
     m, losses = M.Transformer(cfg), []
     for src, tgt_in, rows, targets, *sides in (get_batch(data, ids), get_batch(data, ids, packed=True)):
-        x = P.forward(m, src, tgt_in, rows, sides) if sides else m(src, tgt_in, rows)
+        x = speed.forward(m, src, tgt_in, rows, sides) if sides else m(src, tgt_in, rows)
         losses.append(M.label_smoothed_loss(x, m.embed.weight, targets)[0])
     assert src.shape == (1, 256 + 64) and len(sides) == 2
     torch.testing.assert_close(losses[1], losses[0])
@@ -91,7 +92,7 @@ def average_in_two_processes(rank, init, out):
     m = torch.nn.Linear(3, 2)
     for p in m.parameters():
         p.grad = torch.full_like(p, float(rank + 1))
-    P.all_reduce_grads(m)
+    speed.all_reduce_grads(m)
     torch.save([p.grad for p in m.parameters()], os.path.join(out, f'{rank}.pt'))
     dist.destroy_process_group()
 

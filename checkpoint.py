@@ -1,6 +1,11 @@
 """
-Checkpoints and run folders: atomic files and folder locks, reading, listing and averaging checkpoints,
-loading a model for translation, and the tokenizer check that keeps a model with its own token ids.
+Checkpoints and run folders, shared by train.py, translate.py, export_ct2.py and plot.py:
+- files written whole or not at all (atomic), and folder locks;
+- a run folder: who may write into it, the snapshots kept, a training state's random generators,
+  and whether a state can resume with the settings given;
+- reading, listing and averaging checkpoints (section 6.1);
+- loading a model for translation, with the check that the tokenizer is the model's own.
+docs/formats.md describes the files.
 """
 import contextlib
 import glob
@@ -16,12 +21,15 @@ import torch
 import dataset
 import model as M
 
+# --- atomic files and locks ----------------------------------------------------------------------
+
 
 def make_writable(folder, option):
-    """Create folder if need be and check that it takes files: else a one-line error naming the option."""
+    """Create folder if need be and check that it takes files, else one line naming the option."""
     try:
         os.makedirs(folder, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()  # a name of its own: two runs may check one folder at once
+        # A name of its own: two runs may check one folder at once.
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         sys.exit(f'error: {option} {folder} cannot be created or written: {e.strerror}')
 
@@ -29,14 +37,15 @@ def make_writable(folder, option):
 def temporary(path):
     """A new, empty file beside path with a name of its own (PATH.RANDOM.tmp), to be renamed to path."""
     tmp = f'{path}.{os.urandom(4).hex()}.tmp'
-    open(tmp, 'xb').close()  # 'x': never another's; and as readable as the umask allows, as path will be
+    # 'x': never another's file; and as readable as the umask allows, as path will be.
+    open(tmp, 'xb').close()
     return tmp
 
 
 @contextlib.contextmanager
 def atomic(path):
-    """A file to write path through: fsynced and renamed to path when the block ends, removed if it fails;
-    so a crash or a full disk never leaves a truncated file as path."""
+    """A file to write path through: fsynced and renamed to path when the block ends, removed if it
+    fails; so a crash or a full disk never leaves a truncated file as path."""
     tmp = temporary(path)
     try:
         with open(tmp, 'wb') as f:
@@ -60,7 +69,8 @@ def write_json(path, obj):
 
 
 def lock_folder(folder, busy=None):
-    """flock folder till the fd returned closes or the process ends; held: print busy and wait, or raise."""
+    """flock folder until the fd returned closes or the process ends. If another process holds it:
+    print busy and wait, or with busy None raise BlockingIOError."""
     import fcntl  # POSIX only: importing this module must work everywhere
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -77,8 +87,105 @@ def lock_folder(folder, busy=None):
 def locked(folder, doing):
     """Keep other data_prep.py runs, which would delete or rename our temporary files, out of folder."""
     stack = contextlib.ExitStack()
-    stack.callback(os.close, lock_folder(folder, f'another data_prep.py is {doing} {folder}: waiting for it'))
+    busy = f'another data_prep.py is {doing} {folder}: waiting for it'
+    stack.callback(os.close, lock_folder(folder, busy))
     return stack
+
+
+# --- the run folder of train.py ------------------------------------------------------------------
+
+RUN_FILE = re.compile(r'log\.jsonl|(ckpt|state)\w*\.pt')
+held_locks = []  # open until the process ends
+
+
+def open_run(out_dir, init_from, overwrite, master):
+    """Make out_dir ready for a run: writable, held by this run alone (rank 0 takes the lock), and not
+    holding another run unless it is resumed or overwritten. -> the run files found in it."""
+    make_writable(out_dir, 'out_dir')
+    if master:
+        try:
+            held_locks.append(lock_folder(out_dir))
+        except BlockingIOError:
+            sys.exit(f"out_dir {out_dir} is in use by another train.py run: let it end, "
+                     f"or use another --out_dir")
+    run_files = [f for f in sorted(os.listdir(out_dir)) if RUN_FILE.fullmatch(f)]
+    if init_from != 'resume' and run_files and not overwrite:
+        sys.exit(f"out_dir {out_dir} already holds a run ({', '.join(run_files[:3])}, ...): "
+                 f"continue it with --init_from=resume, use another --out_dir, "
+                 f"or start over with --overwrite=True (deletes it)")
+    return run_files
+
+
+def remove_partial_saves(out_dir):
+    """The temporary files of a save that was killed midway."""
+    for f in glob.glob(os.path.join(glob.escape(out_dir), '*.pt.*.tmp')):
+        os.remove(f)
+
+
+def rotate(out_dir, keep_state, keep_last):
+    """Remove the oldest training states and weight snapshots beyond the numbers kept."""
+    for prefix, keep in (('state', keep_state), ('ckpt', keep_last)):
+        for old in checkpoints(out_dir, prefix)[:-keep]:
+            os.remove(old)
+
+
+def rng_state(device_type):
+    """This process's random generators, for dropout to go on after a resume as if never stopped."""
+    cuda = None
+    if device_type == 'cuda':
+        cuda = torch.cuda.get_rng_state()
+    return {'cpu': torch.get_rng_state(), 'cuda': cuda}
+
+
+def restore_rng(saved, rank, world, reseed, device_type):
+    """Set this rank's generators from a state's list of one per rank. Saved by another number of
+    ranks they cannot go on: reseed() seeds anew. -> False if so."""
+    if len(saved) != world:
+        reseed()
+        return False
+    torch.set_rng_state(saved[rank]['cpu'])
+    if saved[rank]['cuda'] is not None and device_type == 'cuda':
+        torch.cuda.set_rng_state(saved[rank]['cuda'])
+    return True
+
+
+def resume_problems(state, config, fixed, train_split, data_dir):
+    """The settings in `fixed` that differ from those the state's run began with, and other training
+    pairs: a run goes on as it began. -> a list of 'key=value (the run's: value)'."""
+    changed = []
+    for key in fixed:
+        # A setting newer than the state: its run had the default.
+        was = state['config'].get(key, getattr(M.Config, key, None))
+        if config[key] != was:
+            changed.append(f"{key}={config[key]!r} (the run's: {was!r})")
+    if state['train_split'] != train_split:
+        changed.append(f"data_dir={data_dir!r} (other training pairs than the run's "
+                       f"{state['data_dir']!r})")
+    return changed
+
+
+def load_optimizer_state(optimizer, state, path):
+    """The optimizer's moments from a training state, refused in one line when its parameter groups
+    are not today's (a state saved before weight decay had one group for every parameter)."""
+    saved_groups = state['optimizer']['param_groups']
+    if len(saved_groups) != len(optimizer.param_groups):
+        sys.exit(f"{path} holds an optimizer of {len(saved_groups)} parameter group(s), this train.py "
+                 f"has {len(optimizer.param_groups)} (decay on matrices only): it cannot resume; "
+                 f"fine-tune from its weights instead, with --init_from={path}")
+    optimizer.load_state_dict(state['optimizer'])
+
+
+def best_bleu_in(out_dir):
+    """The validation BLEU of out_dir's ckpt_best.pt, or -1: the final evaluation's best is newer
+    than the last training state."""
+    try:
+        best = torch.load(os.path.join(out_dir, 'ckpt_best.pt'), mmap=True)
+        return best['valid_bleu']
+    except Exception:
+        return -1.0
+
+
+# --- reading, listing and averaging checkpoints --------------------------------------------------
 
 
 def fail(msg):  # named after the running script: every script reads checkpoints through these
@@ -86,20 +193,25 @@ def fail(msg):  # named after the running script: every script reads checkpoints
 
 
 def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
+    if os.path.isdir(path):
+        fail(f"{path} is a folder: give a checkpoint file in it, or --average-last N to average "
+             f"its newest ckpt_STEP.pt")
     if not os.path.isfile(path):
-        fail(f"{path} is a folder: give a checkpoint file in it, or --average-last N to average its newest "
-             "ckpt_STEP.pt" if os.path.isdir(path) else f"checkpoint {path} not found")
-    try:  # weights_only: our checkpoints hold only tensors and plain containers, and loading runs no code
+        fail(f"checkpoint {path} not found")
+    try:  # weights_only: our checkpoints hold only tensors and plain containers; loading runs no code
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
-        fail(f"cannot read checkpoint {path}: not a checkpoint, or a damaged one ({type(e).__name__})")
-    if missing := [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]:
+        fail(f"cannot read checkpoint {path}: not a checkpoint, or a damaged one "
+             f"({type(e).__name__})")
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
         fail(f"{path} is not a model checkpoint: missing {', '.join(missing)}")
     return ckpt
 
 
 def checkpoint_tokenizer(path, ckpt):
-    """The tokenizer dict of a checkpoint: embedded, or the file or data folder it names (maybe relative)."""
+    """A checkpoint's tokenizer dict: embedded, or the file or data folder it names (maybe relative
+    to the checkpoint's folder)."""
     tok = ckpt['tokenizer']
     if isinstance(tok, str) and not os.path.exists(tok):
         tok = os.path.join(os.path.dirname(path), tok)
@@ -110,27 +222,43 @@ def checkpoint_tokenizer(path, ckpt):
 
 
 def checkpoints(folder, prefix='ckpt'):
-    """{prefix}_STEP.pt in folder by step: train.py's weight snapshots (ckpt) or training states (state)."""
-    found = sorted((int(m[1]), p) for p in glob.glob(os.path.join(glob.escape(folder), f'{prefix}_*.pt'))
-                   if (m := re.fullmatch(rf'{prefix}_(\d+)\.pt', os.path.basename(p))))
-    return [p for _, p in found]
+    """{prefix}_STEP.pt in folder by step: train.py's weight snapshots (ckpt) or training states
+    (state)."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(folder), f'{prefix}_*.pt')):
+        match = re.fullmatch(rf'{prefix}_(\d+)\.pt', os.path.basename(path))
+        if match:
+            found.append((int(match[1]), path))
+    return [path for _, path in sorted(found)]
 
 
 def average_checkpoints(paths):
-    """Section 6.1: the checkpoints' mean weights (in float64), refused for checkpoints of different runs."""
+    """Section 6.1: the checkpoints' mean weights (summed in float64), refused for checkpoints of
+    different runs."""
     total, first = {}, None
     for p in paths:
         ckpt = read_checkpoint(p, keys=('model',))
-        first = first or ckpt
+        if first is None:
+            first = ckpt
         if ckpt.get('tokenizer') != first.get('tokenizer'):
             fail(f"{p}: its tokenizer differs from that of {paths[0]}: not checkpoints of one run")
-        cfg, cfg0 = ckpt.get('model_cfg') or {}, first.get('model_cfg') or {}  # older ones lack newer fields
-        diff = sorted(k for k in cfg.keys() & cfg0.keys() if cfg[k] != cfg0[k] and 'dropout' not in k)
-        if diff or ckpt['model'].keys() != first['model'].keys():  # dropout: a training setting
-            fail(f"{p}: its model differs from that of {paths[0]} ({', '.join(diff) or 'parameters'})")
+        # Older checkpoints lack newer fields; dropout is a training setting, not the model's.
+        cfg = ckpt.get('model_cfg') or {}
+        first_cfg = first.get('model_cfg') or {}
+        shared = cfg.keys() & first_cfg.keys()
+        diff = sorted(k for k in shared if cfg[k] != first_cfg[k] and 'dropout' not in k)
+        if diff or ckpt['model'].keys() != first['model'].keys():
+            what = ', '.join(diff) or 'parameters'
+            fail(f"{p}: its model differs from that of {paths[0]} ({what})")
         for k, v in ckpt['model'].items():
-            total[k] = total[k] + v.double() if k in total else v.double()
+            if k in total:
+                total[k] = total[k] + v.double()
+            else:
+                total[k] = v.double()
     return {k: (v / len(paths)).to(first['model'][k].dtype) for k, v in total.items()}
+
+
+# --- loading a model for translation -------------------------------------------------------------
 
 
 def warn(msg):
@@ -140,36 +268,44 @@ def warn(msg):
 def check_tokenizer(path, cfg, enc):
     # A model trained with another tokenizer would silently produce garbage: refuse it instead.
     if cfg.vocab_size < enc.n_vocab:
-        fail(f"{path}: model vocab_size {cfg.vocab_size} is below the tokenizer's {enc.n_vocab} tokens")
+        fail(f"{path}: model vocab_size {cfg.vocab_size} is below the tokenizer's "
+             f"{enc.n_vocab} tokens")
     for name, want in (('<pad>', cfg.pad_id), ('<s>', cfg.bos_id), ('</s>', cfg.eos_id)):
         if enc.encode(name, allowed_special='all') != [want]:
             fail(f"{path}: the tokenizer's {name} is not the model's id {want}")
-    cfg.tokenizer_size = enc.n_vocab  # decoding never generates the ids past it (a checkpoint may not say)
+    # Decoding never generates the ids past the tokenizer's (a checkpoint may not say).
+    cfg.tokenizer_size = enc.n_vocab
 
 
 def default_lenpen(ckpt, path='checkpoint'):
-    # The model's own length penalty: the one its training config validated with (train.py bleu_lenpen).
+    """The model's own length penalty: the one its training config validated with (bleu_lenpen)."""
+    alpha = 0.6
     config = ckpt.get('config')
-    alpha = config.get('bleu_lenpen', 0.6) if isinstance(config, dict) else 0.6
+    if isinstance(config, dict):
+        alpha = config.get('bleu_lenpen', 0.6)
     if type(alpha) not in (int, float) or not 0 <= alpha < math.inf:
         fail(f"{path}: its config's bleu_lenpen {alpha!r} is not a number of at least 0")
     return alpha
 
 
 def load_checkpoint(path, device='cpu', state_dict=None):
-    """-> (model in eval mode on device, tiktoken Encoding, checkpoint dict). state_dict replaces the
-    checkpoint's weights (averaging)."""
+    """-> (model in eval mode on device, tiktoken Encoding, checkpoint dict). state_dict replaces
+    the checkpoint's weights (averaging)."""
     ckpt = read_checkpoint(path)
     try:
         cfg = M.Config(**ckpt['model_cfg'])
-        if cfg.d_model % cfg.n_heads and not cfg.d_head:  # d_head: any h, h * d_k need not be d_model
+        # With d_head set any h will do: h * d_k need not be d_model.
+        if cfg.d_model % cfg.n_heads and not cfg.d_head:
             raise ValueError(f"d_model={cfg.d_model} is not a multiple of n_heads={cfg.n_heads}")
         enc = dataset.load_tokenizer(checkpoint_tokenizer(path, ckpt))
         model = M.Transformer(cfg)
-        model.load_state_dict(ckpt['model'] if state_dict is None else state_dict)
+        if state_dict is None:
+            state_dict = ckpt['model']
+        model.load_state_dict(state_dict)
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
-        fail(f"{path}: its model_cfg, tokenizer and weights do not fit ({type(e).__name__}: "
-             f"{' '.join(str(e).split())[:200]})")
+        reason = ' '.join(str(e).split())[:200]
+        fail(f"{path}: its model_cfg, tokenizer and weights do not fit "
+             f"({type(e).__name__}: {reason})")
     check_tokenizer(path, cfg, enc)
     default_lenpen(ckpt, path)
     return model.to(device).eval(), enc, ckpt
@@ -181,7 +317,10 @@ def newest_checkpoints(path, n):
         fail(f"--average-last {n}: must be at least 1")
     if not os.path.exists(path):
         fail(f"checkpoint {path} not found")
-    folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
+    if os.path.isdir(path):
+        folder = path
+    else:
+        folder = os.path.dirname(path) or '.'
     found = checkpoints(folder)
     if not found:
         fail(f"no ckpt_STEP.pt checkpoints in {folder} to average")

@@ -1,6 +1,6 @@
 """
-Reading a dataset that data_prep.py prepared (docs/formats.md): its meta.json and tokenizer, the token files
-of a split, and the batches train.py draws from them.
+What training reads at run time from a folder that data_prep.py prepared (docs/formats.md): its
+meta.json and tokenizer, the token files of a split, and the batches train.py draws from them.
 """
 import base64
 import json
@@ -19,91 +19,171 @@ def read_json(path):
             raise ValueError(f"{path}: {e}") from None
 
 
-def tokenizer_dict(data_dir):  # the tokenizer of a prepared directory as a dict (checkpoints embed it)
+def tokenizer_dict(data_dir):
+    """The tokenizer of a prepared folder as a dict (checkpoints embed it)."""
     return read_json(os.path.join(data_dir, 'tokenizer.json'))
 
 
-def read_tokenizer(source):  # the dict of a tokenizer given as one, a tokenizer.json or a prepared folder
-    return source if isinstance(source, dict) else tokenizer_dict(source) if os.path.isdir(source) else \
-        read_json(source)
+def read_tokenizer(source):
+    """The dict of a tokenizer given as one, as a tokenizer.json or as a prepared folder."""
+    if isinstance(source, dict):
+        return source
+    if os.path.isdir(source):
+        return tokenizer_dict(source)
+    return read_json(source)
 
 
 def load_tokenizer(path_or_dict):
     """tiktoken.Encoding from a tokenizer dict, a tokenizer.json, or a prepared data directory."""
     d = read_tokenizer(path_or_dict)
+    ranks = {base64.b64decode(b): r for b, r in d['ranks']}
     return tiktoken.Encoding(name=d.get('name', 'data_prep'), pat_str=d['pattern'],
-                             mergeable_ranks={base64.b64decode(b): r for b, r in d['ranks']},
-                             special_tokens=dict(d['special_tokens']))
+                             mergeable_ranks=ranks, special_tokens=dict(d['special_tokens']))
 
 
-def same_tokenizer(a, b):  # the name is a label (the data folder's): pattern, merges and specials are all
-    return {k: v for k, v in a.items() if k != 'name'} == {k: v for k, v in b.items() if k != 'name'}
+def same_tokenizer(a, b):
+    """Whether two tokenizer dicts encode alike: the name is only a label (the data folder's)."""
+    a_rest = {k: v for k, v in a.items() if k != 'name'}
+    b_rest = {k: v for k, v in b.items() if k != 'name'}
+    return a_rest == b_rest
 
 
-def load_meta(data_dir):  # meta.json: languages, vocabulary size, special ids, token dtype, split sizes
+def load_meta(data_dir):
+    """meta.json: languages, vocabulary size, special ids, token dtype, split sizes."""
     return read_json(os.path.join(data_dir, 'meta.json'))
 
 
+def open_prepared(data_dir):
+    """A prepared folder -> (meta, tokenizer dict, tiktoken encoding, validation references: the
+    text of valid's target side); a missing or damaged folder is a one-line error."""
+    if not os.path.exists(os.path.join(data_dir, 'meta.json')):
+        sys.exit(f"no prepared data in {data_dir}: prepare it, "
+                 f"`python data_prep.py CORPUS ... --out {data_dir}`")
+    try:
+        meta = load_meta(data_dir)
+        tokenizer = tokenizer_dict(data_dir)
+        missing = [key for key in ('pad_id', 'bos_id', 'eos_id') if key not in meta]
+        if missing:  # train.py reads them next: an error here, not a traceback there
+            raise KeyError(missing[0])
+        enc = load_tokenizer(tokenizer)
+        with open(os.path.join(data_dir, f"valid.{meta['tgt']}.txt"), encoding='utf-8') as f:
+            valid_ref = f.read().splitlines()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"error: {data_dir} is incomplete or damaged ({type(e).__name__}: {e}): "
+                 f"prepare it again")
+    return meta, tokenizer, enc, valid_ref
+
+
 def load_split(data_dir, split):
-    """-> memory-mapped src tokens, src offsets, tgt tokens, tgt offsets; sentence i: tokens[o[i]:o[i + 1]]"""
+    """-> memory-mapped src tokens, src offsets, tgt tokens, tgt offsets;
+    sentence i is tokens[offsets[i]:offsets[i + 1]]."""
     damaged = f'error: {data_dir} is incomplete or damaged ({split}'
     try:
-        meta, sides = load_meta(data_dir), []
+        meta = load_meta(data_dir)
+        sides = []
         for lang in (meta['src'], meta['tgt']):
-            path = os.path.join(data_dir, f'{split}.{lang}.bin')  # no bytes: a side of empty lines
-            sides += [np.memmap(path, dtype=meta['dtype'], mode='r') if os.path.getsize(path) else
-                      np.zeros(0, meta['dtype']), np.fromfile(path[:-3] + 'idx', dtype=np.int64)]
-    except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a dtype numpy does not know
+            path = os.path.join(data_dir, f'{split}.{lang}.bin')
+            if os.path.getsize(path):
+                tokens = np.memmap(path, dtype=meta['dtype'], mode='r')
+            else:  # no bytes, which memmap refuses: a side of empty lines
+                tokens = np.zeros(0, meta['dtype'])
+            offsets = np.fromfile(path[:-3] + 'idx', dtype=np.int64)
+            sides += [tokens, offsets]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # TypeError: a dtype unknown to numpy
         sys.exit(f'{damaged}: {e}): prepare it again with data_prep.py')
-    for lang, tokens, offsets in ((meta['src'], *sides[:2]), (meta['tgt'], *sides[2:])):  # cut short, say
-        if (len(offsets) != len(sides[1]) or len(offsets) == 0 or offsets[0] != 0
+    n_offsets = len(sides[1])  # the source side's
+    for i, lang in enumerate((meta['src'], meta['tgt'])):  # a file cut short, say
+        tokens, offsets = sides[2 * i], sides[2 * i + 1]
+        if (len(offsets) != n_offsets or len(offsets) == 0 or offsets[0] != 0
                 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any()):
-            sys.exit(f'{damaged}.{lang}.idx does not match {split}.{meta["src"]}.idx or the {len(tokens)} '
-                     f'tokens of {split}.{lang}.bin): prepare it again with data_prep.py')
+            sys.exit(f'{damaged}.{lang}.idx does not match {split}.{meta["src"]}.idx or the '
+                     f'{len(tokens)} tokens of {split}.{lang}.bin): '
+                     'prepare it again with data_prep.py')
     return tuple(sides)
 
 
 def token_batches(sizes, order, max_tokens):
-    """fairseq's batches: runs of `order` (indices into sizes, sorted by length) of count x largest size <=
-    max_tokens, or of one item."""
+    """fairseq's batches: runs of `order` (indices into sizes, sorted by length) whose count times
+    their largest size is at most max_tokens, or of one item."""
     order = np.asarray(order, dtype=np.int64)
-    batches, start, biggest = [], 0, 0
+    batches = []
+    start = 0
+    biggest = 0
     for i, size in enumerate(np.asarray(sizes)[order].tolist()):
         if i > start and (i + 1 - start) * max(biggest, size) > max_tokens:
             batches.append(order[start:i])
-            start, biggest = i, 0
+            start = i
+            biggest = 0
         biggest = max(biggest, size)
-    return batches + [order[start:]] if len(order) else batches
+    if len(order):
+        batches.append(order[start:])
+    return batches
 
 
 def pair_sizes(data):
-    """The padded tokens a pair of a split from load_split takes per side: its longer side + EOS (or BOS)."""
+    """The padded tokens a pair of a split from load_split takes per side: its longer side + EOS
+    (or BOS)."""
     _, src_idx, _, tgt_idx = data
     return np.maximum(np.diff(src_idx), np.diff(tgt_idx)) + 1
 
 
+def check_sizes(splits, max_tokens, max_len, data_dir, log):
+    """splits: {name: data of load_split}. A pair that fits no batch of max_tokens is left out, with
+    a warning; a split of which none fits, or a kept pair over the model's max_len, is an error."""
+    for split, data in splits.items():
+        sizes = pair_sizes(data)
+        if len(sizes) and sizes.min() > max_tokens:
+            sys.exit(f"max_tokens={max_tokens} is below every {split} pair: "
+                     f"raise it to at least {sizes.min()}")
+        too_big = sizes > max_tokens
+        if too_big.any():
+            log(f"warning: {too_big.sum()} {split} pairs need more than max_tokens={max_tokens} "
+                f"padded tokens and are left out; max_tokens={sizes.max()} would keep them all")
+        if sizes[~too_big].max(initial=0) > max_len:  # past it, positions have no encoding
+            sys.exit(f"{data_dir} has {split} sentences over the model's max_len={max_len} tokens "
+                     f"(with EOS): raise max_len, or leave them out (data_prep.py --max-len)")
+
+
 def batch_plan(data, max_tokens, seed, epoch, shuffle=True):
-    """train.py's batches of an epoch, as fairseq's: pairs shuffled, stably sorted by length, filled up to
-    max_tokens padded tokens, the batches shuffled; the same on every rank."""
-    size, rng = pair_sizes(data), np.random.default_rng([seed, epoch])
+    """train.py's batches of an epoch, as fairseq's: pairs shuffled, stably sorted by length, filled
+    up to max_tokens padded tokens, the batches shuffled; the same on every rank."""
+    size = pair_sizes(data)
+    rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(size)) if shuffle else np.arange(len(size))
     order = order[np.argsort(size[order], kind='stable')]
-    batches = token_batches(size, order[size[order] <= max_tokens], max_tokens)  # longer ones fit no batch
-    return [batches[i] for i in rng.permutation(len(batches))] if shuffle else batches
+    fits = size[order] <= max_tokens  # a longer pair fits no batch
+    batches = token_batches(size, order[fits], max_tokens)
+    if not shuffle:
+        return batches
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def padded_side(tok, idx, ids, pad_id):
+    """One side of pairs ids: a row of int64 tokens per pair, padded to the longest + 1; and the
+    lengths."""
+    start = idx[ids]
+    n = idx[ids + 1] - start
+    cols = np.arange(n.max() + 1)
+    at = np.minimum(start[:, None] + cols, max(len(tok) - 1, 0))  # padding reads a real token
+    if len(tok):
+        picked = tok[at]
+    else:  # a side of empty lines has no token to read
+        picked = 0
+    return np.where(cols < n[:, None], picked, pad_id).astype(np.int64), n
 
 
 def collate(data, ids, pad_id, bos_id, eos_id):
-    """Pairs ids of load_split's split -> int64 src (+ EOS), tgt_in (BOS +) padded to their longest row, the
-    real tokens' rows of the B * T target positions and their targets (+ EOS); one gather per side."""
+    """Pairs ids of load_split's split -> int64 src (+ EOS), tgt_in (BOS +) padded to their longest
+    row, the real tokens' rows of the B * T target positions and their targets (+ EOS); one gather
+    per side."""
     src_tok, src_idx, tgt_tok, tgt_idx = data
-    ids, rows = np.asarray(ids, dtype=np.int64), np.arange(len(ids))
-    def side(tok, idx):  # each row's tokens, padded to the longest + 1; and the lengths
-        start, n = idx[ids], idx[ids + 1] - idx[ids]
-        cols = np.arange(n.max() + 1)
-        at = np.minimum(start[:, None] + cols, max(len(tok) - 1, 0))
-        return np.where(cols < n[:, None], tok[at] if len(tok) else 0, pad_id).astype(np.int64), n
-    (src, n_src), (tgt, n_tgt) = side(src_tok, src_idx), side(tgt_tok, tgt_idx)
-    tgt_in = np.concatenate([np.full((len(ids), 1), bos_id, np.int64), tgt[:, :-1]], axis=1)
-    src[rows, n_src], tgt[rows, n_tgt] = eos_id, eos_id
+    ids = np.asarray(ids, dtype=np.int64)
+    rows = np.arange(len(ids))
+    src, n_src = padded_side(src_tok, src_idx, ids, pad_id)
+    tgt, n_tgt = padded_side(tgt_tok, tgt_idx, ids, pad_id)
+    bos = np.full((len(ids), 1), bos_id, np.int64)
+    tgt_in = np.concatenate([bos, tgt[:, :-1]], axis=1)
+    src[rows, n_src] = eos_id
+    tgt[rows, n_tgt] = eos_id
     real = np.flatnonzero(np.arange(tgt.shape[1]) <= n_tgt[:, None])  # the loss sees those alone
     return src, tgt_in, real, tgt.reshape(-1)[real]

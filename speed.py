@@ -1,15 +1,22 @@
 """
-Speed paths that change how fast a step runs, not what it computes: the CPU's policy (bf16 where native,
-malloc, dropout masks) and the GPU's (packed rows, CUDA graphs).
+How fast a step runs, never what it computes. In the order train.py meets them:
+- check_settings: what each speed path needs, said before any work;
+- the CPU's policy: bf16 only where the CPU has it, freed memory kept, a faster dropout mask;
+- the training model's paths: master weights (a bf16 copy, Adam on float32), activation
+  checkpointing, torch.compile per layer;
+- packed rows for CUDA graphs: a batch's sentences end to end, flash attention within each.
+docs/performance.md has the measurements behind each.
 """
-import contextlib
+import copy
 import ctypes
 import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+import model as M
 from model import attention_weights
 
 
@@ -17,35 +24,132 @@ def fast_dtype(device_type):
     """'bfloat16' where bf16 matrix multiply is native (GPUs since Ampere, AVX512-BF16 or AMX), else
     'float32': an AVX2-only CPU emulates bf16 at many times the cost (docs/performance.md)."""
     if device_type == 'cuda':
-        return 'bfloat16' if torch.cuda.is_bf16_supported() else 'float32'
-    isas = [getattr(torch.cpu, f'_is_{isa}_supported', lambda: False) for isa in ('avx512_bf16', 'amx_tile')]
-    return 'bfloat16' if device_type == 'cpu' and any(f() for f in isas) else 'float32'
+        if torch.cuda.is_bf16_supported():
+            return 'bfloat16'
+        return 'float32'
+    if device_type != 'cpu':
+        return 'float32'
+    for isa in ('avx512_bf16', 'amx_tile'):
+        is_supported = getattr(torch.cpu, f'_is_{isa}_supported', None)
+        if is_supported is not None and is_supported():
+            return 'bfloat16'
+    return 'float32'
+
+
+def check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
+                   checkpoint_activations, head_size):
+    """-> what makes these speed settings fail (dtype already resolved from 'auto'), or None."""
+    if master_weights and dtype == 'float32':
+        return "master_weights must be False with dtype float32 (dtype='auto' gives float32 here)"
+    if not cuda_graphs:
+        return None
+    if device_type != 'cuda' or dtype == 'float32' or update_freq > 1 or checkpoint_activations:
+        return ("cuda_graphs needs a GPU, dtype bfloat16 or float16, update_freq=1, "
+                "no checkpoint_activations")
+    if head_size % 8 != 0 or head_size > 256:  # flash attention's variable-length kernel
+        return (f"cuda_graphs needs a head size (d_head, or d_model / n_heads) that is a multiple "
+                f"of 8 and at most 256, got {head_size}")
+    return None
+
+
+def configure_backends(device_type, dtype, checkpoint_activations):
+    if device_type == 'cpu':
+        keep_freed_memory(not checkpoint_activations)
+    # On a CPU in bf16 the flash kernel is slower than the math one (docs/performance.md).
+    use_flash = device_type != 'cpu' or dtype != 'bfloat16'
+    torch.backends.cuda.enable_flash_sdp(use_flash)
+    if device_type == 'cuda':
+        # cuDNN attention plans anew for each batch shape: bf16 ran 5-10x slower on an H100.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def keep_freed_memory(keep=True):
-    """Keep freed memory (a batch's logits) in the process, not faulted in again page by page (glibc gives
-    blocks over 32 MB back to the OS; docs/performance.md); keep=False gives back each freed block of 8 MB or
-    more at once: a lower peak, paid in page faults (checkpoint_activations). -> False without glibc."""
-    with contextlib.suppress(OSError):  # glibc's M_MMAP_MAX, M_TRIM_THRESHOLD; M_MMAP_THRESHOLD
-        opts = [(-4, 0), (-1, 2 ** 30)] if keep else [(-3, 2 ** 23)]
-        return all(ctypes.CDLL('libc.so.6').mallopt(*o) for o in opts)
-    return False
+    """Keep freed memory (a batch's logits) in the process, not faulted in again page by page (glibc
+    gives blocks over 32 MB back to the OS; docs/performance.md). keep=False gives back each freed
+    block of 8 MB or more at once: a lower peak, paid in page faults (checkpoint_activations).
+    -> False without glibc."""
+    if keep:
+        options = [(-4, 0), (-1, 2 ** 30)]  # M_MMAP_MAX, M_TRIM_THRESHOLD
+    else:
+        options = [(-3, 2 ** 23)]  # M_MMAP_THRESHOLD
+    try:
+        libc = ctypes.CDLL('libc.so.6')
+    except OSError:
+        return False
+    return all(libc.mallopt(option, value) for option, value in options)
 
 
-def cpu_dropout(model):  # nn.Dropout's CPU mask (bernoulli_) takes twice rand_like's time: performance.md
-    def forward(self, x):  # the draws in float32: bf16 would round p
-        keep = torch.rand_like(x, dtype=torch.float32) >= self.p if self.training and self.p > 0 else None
-        return x if keep is None else x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
-    for m in [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]:
-        m.forward = forward.__get__(m)
+def cpu_dropout(model):
+    """nn.Dropout's CPU mask (bernoulli_) takes twice rand_like's time (docs/performance.md)."""
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # float32 draws: bf16 would round p
+        return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.forward = forward.__get__(m)
+
+
+def training_copy(model, master_weights, dtype):
+    """The model the steps run on: model itself, or with master_weights a copy in dtype. The copy's
+    gradients go to model's float32 weights, which Adam updates (fairseq's --bf16)."""
+    if not master_weights:
+        return model
+    return copy.deepcopy(model).to(getattr(torch, dtype))
+
+
+def gradients_to_master(model, train_model):
+    for p, q in zip(model.parameters(), train_model.parameters()):
+        p.grad = q.grad.float()
+        q.grad = None
+
+
+def weights_to_copy(model, train_model):
+    # In place: CUDA graphs captured on the copy keep reading the same memory.
+    copies = [q.detach() for q in train_model.parameters()]
+    torch._foreach_copy_(copies, list(model.parameters()))
+
+
+def broadcast_weights(model):
+    """Rank 0's weights on every rank: each rank drew its own initialisation (seed + rank)."""
+    for p in model.parameters():
+        dist.broadcast(p.detach(), 0)
+
+
+def recompute_layers(model):
+    """Backward recomputes each layer from its input instead of keeping its activations
+    (fairseq's --checkpoint-activations): less memory, more compute."""
+    for layer in [*model.encoder, *model.decoder]:
+        layer.forward = recomputed(layer.forward)
+
+
+def recomputed(forward):
+    def run(*args):
+        if not torch.is_grad_enabled():  # evaluation: nothing to keep for a backward
+            return forward(*args)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False)
+    return run
+
+
+def compile_layers(model):
+    """Each layer compiled on its own, as bench.py measures it: identical layers share one graph, so
+    compile time does not grow with depth; batch shapes are symbolic (dynamic)."""
+    for layer in [*model.encoder, *model.decoder]:
+        layer.compile(dynamic=True)
+    return torch.compile(M.loss_chunk, dynamic=True)  # the loss's chunks, for label_smoothed_loss
 
 
 # --- packed rows (cuda_graphs) ------------------------------------------------------------
 
 
 def attend(q, k, v, rows_q, rows_k, causal, dropout_p):
-    """Attention within each sentence of packed rows; q, k, v (1, h, N, d_k) as MultiHeadAttention.heads."""
-    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, h, d_k) views: each head's d_k contiguous
+    """Attention within each sentence of packed rows: the hook model.MultiHeadAttention calls when
+    given packed=(rows_q, rows_k). q, k, v (1, h, N, d_k) as MultiHeadAttention.heads gives them."""
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, h, d_k): each head's d_k contiguous
     if q.is_cuda:  # flash attention over variable lengths (the kernel of torch.nn.attention.varlen)
         y = torch.ops.aten._flash_attention_forward(q, k, v, rows_q.cu, rows_k.cu, rows_q.max_len,
                                                     rows_k.max_len, dropout_p, causal, False)[0]
@@ -53,9 +157,12 @@ def attend(q, k, v, rows_q, rows_k, causal, dropout_p):
     # Elsewhere equation (1) with a block-diagonal mask over all N x N pairs: for tests, not speed.
     seg_q = torch.searchsorted(rows_q.cu, torch.arange(len(q)), right=True)  # each token's sentence
     seg_k = torch.searchsorted(rows_k.cu, torch.arange(len(k)), right=True)
-    mask = (seg_q[:, None] == seg_k) & (rows_q.pos[:, None] >= rows_k.pos if causal else True)
+    mask = seg_q[:, None] == seg_k
+    if causal:
+        mask = mask & (rows_q.pos[:, None] >= rows_k.pos)
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-    return (F.dropout(attention_weights(q, k, mask), dropout_p) @ v)[None]
+    weights = F.dropout(attention_weights(q, k, mask), dropout_p)
+    return (weights @ v)[None]
 
 
 class Packed(NamedTuple):
@@ -63,69 +170,88 @@ class Packed(NamedTuple):
     cu: torch.Tensor   # (sentences + 1,) int32: sentence i is the tokens cu[i]:cu[i + 1]
     pos: torch.Tensor  # each token's position in its sentence (section 3.5)
     max_len: int       # the longest sentence, or a bound on it
-    attend = staticmethod(attend)  # model.py calls it with (this side, the other side)
+    # model.py calls queries.attend(q, k, v, queries, keys, causal, dropout_p)
+    attend = staticmethod(attend)
 
     def to(self, device):
         return self._replace(cu=self.cu.to(device), pos=self.pos.to(device))
 
 
 def pack(src, tgt_in, pad_id, size=None, max_len=None):
-    """Padded src (B, S), tgt_in (B, T) on the host -> each side's tokens end to end in one row (1, N), the
-    rows of the real targets (the first ones) and (source, target) Packed. size: both rows filled up to it by
-    sentences of PAD (max_len at most), sentence counts to a power of two: few shapes, for CUDA graphs."""
-    real, out = [int((x != pad_id).sum()) for x in (src, tgt_in)], []
-    if size is not None:  # as many offsets on both sides, a power of two: the last sentences are empty
-        slots = 2 ** math.ceil(math.log2(len(src) + 1 - min((r - size) // max_len for r in real)))
+    """Padded src (B, S), tgt_in (B, T) on the host -> each side's tokens end to end in one row
+    (1, N), the rows of the real targets (the first ones) and the (source, target) Packed.
+    size: both rows filled up to it by sentences of PAD (max_len at most), and the sentence
+    counts rounded to a power of two: few shapes, for CUDA graphs."""
+    real = [int((x != pad_id).sum()) for x in (src, tgt_in)]
+    if size is not None:  # as many offsets on both sides, a power of two: the last sentences empty
+        fillers = max(-((r - size) // max_len) for r in real)  # the PAD sentences a side needs
+        slots = 2 ** math.ceil(math.log2(len(src) + 1 + fillers))
+    rows, sides = [], []
     for x, r in zip((src, tgt_in), real):
         keep = x != pad_id
-        tokens, pos, lens = x[keep], torch.arange(x.size(1)).expand_as(x)[keep], keep.sum(1).tolist()
+        tokens = x[keep]
+        pos = torch.arange(x.size(1)).expand_as(x)[keep]
+        lens = keep.sum(1).tolist()
         if size is not None:
             n = size - r
-            tokens, pos = F.pad(tokens, (0, n), value=pad_id), torch.cat([pos, torch.arange(n) % max_len])
-            lens += [max_len] * (n // max_len) + [n % max_len] * (n % max_len > 0)
+            tokens = F.pad(tokens, (0, n), value=pad_id)
+            pos = torch.cat([pos, torch.arange(n) % max_len])
+            lens += [max_len] * (n // max_len)
+            if n % max_len:
+                lens.append(n % max_len)
             lens += [0] * (slots - 1 - len(lens))
         cu = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).int()
-        out += [tokens[None], Packed(cu, pos, max_len or max(lens))]
-    return out[0], out[2], slice(0, real[1]), (out[1], out[3])
+        rows.append(tokens[None])
+        sides.append(Packed(cu, pos, max_len or max(lens)))
+    return rows[0], rows[1], slice(0, real[1]), tuple(sides)
 
 
 def forward(model, src, tgt, rows, sides):
-    """model(src, tgt, rows) on packed rows: attention within each sentence, target to source across."""
-    (s, t), f = sides, sides[0].attend
-    x = model.decode(tgt, model.encode(src, (f, s, s))[0], (f, t, s), tgt_mask=(f, t, t))
-    return x.flatten(0, 1)[rows]
+    """model(src, tgt, rows) on packed rows: attention within each sentence, the target's
+    to its source."""
+    return model(src, tgt, rows, packed=sides)
 
 
-class Body(torch.nn.Module):  # the model on packed rows of one shape: tensors in, every decoder state out
+class Body(torch.nn.Module):
+    """The model on packed rows of one shape: tensors in, every decoder state out."""
+
     def __init__(self, model, max_len):
         super().__init__()
-        self.model, self.max_len = model, max_len
+        self.model = model
+        self.max_len = max_len
 
     def forward(self, src, tgt, cu_s, pos_s, cu_t, pos_t):
         sides = Packed(cu_s, pos_s, self.max_len), Packed(cu_t, pos_t, self.max_len)
-        return forward(self.model, src, tgt, slice(None), sides)
+        return self.model(src, tgt, slice(None), packed=sides)
 
 
 class Graphed:
-    """A model's forward and backward on rows that pack filled to a fixed size, replayed as CUDA graphs, one
-    per shape, each captured at its first batch (make_graphed_callables; its warm-up runs compile first)."""
+    """A model's forward and backward on rows that pack filled to a fixed size, replayed as CUDA
+    graphs, one per shape, each captured at its first batch (make_graphed_callables; its warm-up
+    runs compile first)."""
 
     def __init__(self, model):
-        self.model, self.graphs = model, {}
+        self.model = model
+        self.graphs = {}
 
-    def __call__(self, src, tgt, rows, sides):  # -> the decoder states at rows, as model(...) gives them
+    def __call__(self, src, tgt, rows, sides):  # -> the decoder states at rows, as model(...) gives
         s, t = sides
         inputs = (src, tgt, s.cu, s.pos, t.cu, t.pos)
         key = (src.size(1), len(s.cu), s.max_len)
         if key not in self.graphs:
-            self.graphs[key] = torch.cuda.make_graphed_callables(Body(self.model, s.max_len), inputs)
+            body = Body(self.model, s.max_len)
+            self.graphs[key] = torch.cuda.make_graphed_callables(body, inputs)
         return self.graphs[key](*inputs)[rows]
 
 
 def all_reduce_grads(model):
-    """DDP's average of the gradients where its hooks see no backward (graph replays): one all-reduce."""
+    """DDP's average of the gradients where its hooks see no backward (graph replays):
+    one all-reduce."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.flatten() for g in grads])
     torch.distributed.all_reduce(flat)
-    for g, f in zip(grads, flat.div_(torch.distributed.get_world_size()).split([g.numel() for g in grads])):
+    flat.div_(torch.distributed.get_world_size())
+    for g, f in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(f.view_as(g))
+
+# --- end of packed rows ---------------------------------------------------------------------------

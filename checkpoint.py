@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import tempfile
+from dataclasses import fields
 
 import torch
 
@@ -149,9 +150,38 @@ def restore_rng(saved, rank, world, reseed, device_type):
     return True
 
 
-def resume_problems(state, config, fixed, train_split, data_dir):
-    """The settings in `fixed` that differ from those the state's run began with, and other training
-    pairs: a run goes on as it began. -> a list of 'key=value (the run's: value)'."""
+def initial_state(init_from, out_dir):
+    """-> (state, its path, the checkpoint the run was fine-tuned from) for init_from 'scratch'
+    (no state), 'resume' (out_dir's newest training state) or a checkpoint to fine-tune."""
+    if init_from == 'scratch':
+        return None, None, None
+    path = init_from
+    if init_from == 'resume':
+        states = checkpoints(out_dir, 'state')
+        if not states:
+            sys.exit(f"init_from='resume' but {out_dir} has no state_*.pt")
+        path = states[-1]
+    state = read_checkpoint(path)
+    if init_from == 'resume':
+        return state, path, state['fine_tuned_from']
+    return state, path, path
+
+
+def check_tokenizer_of_data(path, state, tokenizer, data_dir):
+    # The same size is not enough: two BPEs of 8000 merges give the same ids to different words.
+    if not dataset.same_tokenizer(checkpoint_tokenizer(path, state), tokenizer):
+        sys.exit(f"{path} was trained with another tokenizer than {data_dir}: its token ids would "
+                 f"mean other words; train on data prepared with its tokenizer "
+                 f"(data_prep.py --tokenizer)")
+
+
+def check_resume(state, config, fine_tuned_from, train_split, out_dir):
+    """A run goes on as it began: its architecture (a fine-tuned run's is its checkpoint's, said
+    anyway), optimizer, batch plan and training pairs; other settings (max_steps, lr) may change."""
+    fixed = ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens']
+    for f in fields(M.Config):
+        if f.name in config and (not fine_tuned_from or 'drop' in f.name):
+            fixed.append(f.name)
     changed = []
     for key in fixed:
         # A setting newer than the state: its run had the default.
@@ -159,9 +189,11 @@ def resume_problems(state, config, fixed, train_split, data_dir):
         if config[key] != was:
             changed.append(f"{key}={config[key]!r} (the run's: {was!r})")
     if state['train_split'] != train_split:
-        changed.append(f"data_dir={data_dir!r} (other training pairs than the run's "
+        changed.append(f"data_dir={config['data_dir']!r} (other training pairs than the run's "
                        f"{state['data_dir']!r})")
-    return changed
+    if changed:
+        sys.exit(f"init_from='resume' continues {out_dir} as it began, but these settings differ: "
+                 f"{', '.join(changed)}; drop them, or start anew with --init_from={out_dir}/ckpt.pt")
 
 
 def load_optimizer_state(optimizer, state, path):

@@ -94,6 +94,20 @@ def cpu_dropout(model):
             m.forward = forward.__get__(m)
 
 
+def training_model(model, ddp, master_weights, dtype, checkpoint_activations, compile):
+    """-> the model the steps run on, and the loss's chunk function. Under DDP every rank first takes
+    rank 0's weights (each drew its own), so a master-weights copy is the same on every rank too."""
+    if ddp:
+        broadcast_weights(model)
+    train_model = training_copy(model, master_weights, dtype)
+    if checkpoint_activations:
+        recompute_layers(train_model)
+    chunk_fn = M.loss_chunk
+    if compile:
+        chunk_fn = compile_layers(train_model)
+    return train_model, chunk_fn
+
+
 def training_copy(model, master_weights, dtype):
     """The model the steps run on: model itself, or with master_weights a copy in dtype. The copy's
     gradients go to model's float32 weights, which Adam updates (fairseq's --bf16)."""

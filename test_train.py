@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import checkpoint
+import model as M
 import configurator
 import dataset
 import speed
@@ -689,3 +690,62 @@ def test_cpu_dropout_keeps_each_element_with_1_minus_p_and_rescales():
     y.sum().backward()
     assert torch.equal(x.grad, y.detach())  # the gradient goes through the same mask and scale
     assert drop.eval()(x) is x and drop.train()(x.detach().bfloat16()).dtype == torch.bfloat16
+
+
+def copies_of_rank(rank, port, master_weights, out):
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+    torch.distributed.init_process_group('gloo', rank=rank, world_size=2)
+    torch.manual_seed(rank)  # as train.py: each rank draws its own initialisation
+    model = M.Transformer(M.Config(vocab_size=40, n_enc_layers=1, n_dec_layers=1, d_model=16,
+                                   d_ff=32, n_heads=2))
+    train_model, _ = speed.training_model(model, True, master_weights, 'bfloat16', False, False)
+    torch.save([p.detach().clone() for p in train_model.parameters()], f'{out}.{rank}')
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize('master_weights', [False, True])
+def test_every_rank_steps_from_rank_0s_weights_with_or_without_master_weights(master_weights,
+                                                                               tmp_path):
+    # cuda_graphs replaces DDP's wrapper, whose constructor broadcasts: train.py's own broadcast must
+    # come first, before the bf16 copy of master_weights is taken.
+    out = str(tmp_path / 'weights')
+    torch.multiprocessing.spawn(copies_of_rank, args=(free_port(), master_weights, out), nprocs=2)
+    first, second = torch.load(f'{out}.0'), torch.load(f'{out}.1')
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    if master_weights:
+        assert first[0].dtype == torch.bfloat16
+
+
+def test_cuda_graphs_head_sizes_outside_flash_attentions_are_refused():
+    def problem(head_size):
+        return speed.check_settings('cuda', 'bfloat16', True, False, 1, False, head_size)
+    assert problem(64) is None and problem(256) is None
+    for head_size in (512, 12, 4):  # Table 3 row A at h=1 is 512
+        assert 'multiple of 8 and at most 256' in problem(head_size)
+
+
+def test_master_weights_are_checked_against_the_dtype_auto_picks(data_dir, tmp_path):
+    # On an AVX2-only CPU dtype='auto' is float32: a bf16 copy would be a redundant float32 one.
+    wrapper = ("import runpy, sys, speed\n"
+               "speed.fast_dtype = lambda device_type: 'float32'\n"
+               "sys.argv = sys.argv[1:]\n"
+               "runpy.run_path('train.py', run_name='__main__')\n")
+    res = train(['--dtype=auto', '--master_weights=True'], tmp_path, data_dir, ok=False,
+                launcher=[sys.executable, '-c', wrapper])
+    assert 'master_weights must be False with dtype float32' in res.stderr
+
+
+def test_a_state_saved_before_weight_decay_is_refused_in_one_line(run, data_dir, tmp_path):
+    # Before weight decay the optimizer had one group for every parameter; torch's load_state_dict
+    # raises a ValueError on it.
+    out = copy_run(run, tmp_path)
+    path = out / 'state_0000006.pt'
+    state = torch.load(path, weights_only=False)
+    groups = state['optimizer']['param_groups']
+    merged = dict(groups[0], params=[i for g in groups for i in g['params']])
+    state['optimizer']['param_groups'] = [merged]
+    torch.save(state, path)
+    res = train(['--max_steps=8', '--init_from=resume', '--save_interval=3', '--dropout=0.1',
+                 '--bleu_interval=0'], out, data_dir, ok=False)
+    assert 'holds an optimizer of 1 parameter group(s)' in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr

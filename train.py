@@ -164,41 +164,18 @@ train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss 
 
 # -----------------------------------------------------------------------------------------------
 # model, optimizer, and the state to resume or fine-tune from
-init_path = init_from
-if init_from == 'resume':
-    states = checkpoint.checkpoints(out_dir, 'state')
-    if not states:
-        sys.exit(f"init_from='resume' but {out_dir} has no state_*.pt")
-    init_path = states[-1]
-state = None
-fine_tuned_from = None
-if init_from != 'scratch':
-    state = checkpoint.read_checkpoint(init_path)
-    fine_tuned_from = init_path
-if init_from == 'resume':
-    fine_tuned_from = state['fine_tuned_from']
+state, init_path, fine_tuned_from = checkpoint.initial_state(init_from, out_dir)
 if state is None:  # the vocabulary rounded up to a multiple of 8: the output matmul fits tensor cores
     model_args = {f.name: config[f.name] for f in fields(M.Config) if f.name in config}
     model_cfg = M.Config(**model_args, vocab_size=(meta['vocab_size'] + 7) // 8 * 8,
                          pad_id=PAD, bos_id=BOS, eos_id=EOS)
 else:
-    # The same size is not enough: two BPEs of 8000 merges give the same ids to different words.
-    if not dataset.same_tokenizer(checkpoint.checkpoint_tokenizer(init_path, state), tokenizer):
-        sys.exit(f"{init_path} was trained with another tokenizer than {data_dir}: its token ids "
-                 f"would mean other words; train on data prepared with its tokenizer "
-                 f"(data_prep.py --tokenizer)")
+    checkpoint.check_tokenizer_of_data(init_path, state, tokenizer, data_dir)
     doing = 'resuming' if init_from == 'resume' else 'fine-tuning'
     log(f"{doing} from {init_path} (step {state['step']})")
     model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture, whatever the settings
-if init_from == 'resume':  # the run goes on as it began: architecture, optimizer, batch plan, data
-    fixed = ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens']
-    for f in fields(M.Config):  # a fine-tuned run's architecture is its checkpoint's, said below
-        if f.name in config and (not fine_tuned_from or 'drop' in f.name):
-            fixed.append(f.name)
-    changed = checkpoint.resume_problems(state, config, fixed, meta['splits']['train'], data_dir)
-    if changed:
-        sys.exit(f"init_from='resume' continues {out_dir} as it began, but these settings differ: "
-                 f"{', '.join(changed)}; drop them, or start anew with --init_from={out_dir}/ckpt.pt")
+if init_from == 'resume':
+    checkpoint.check_resume(state, config, fine_tuned_from, meta['splits']['train'], out_dir)
 # Dropout is a training setting (a resume keeps the run's); ids past the tokenizer's are never made.
 model_cfg.dropout = dropout
 model_cfg.attn_dropout = attn_dropout
@@ -299,14 +276,8 @@ if init_from != 'resume' and run_files:  # --overwrite: only now that every inpu
 
 # -----------------------------------------------------------------------------------------------
 # the speed paths: the model the steps run on (docs/performance.md)
-if ddp:  # every rank starts from rank 0's weights
-    speed.broadcast_weights(raw_model)
-train_model = speed.training_copy(raw_model, master_weights, dtype)
-if checkpoint_activations:
-    speed.recompute_layers(train_model)
-chunk_fn = M.loss_chunk
-if compile:
-    chunk_fn = speed.compile_layers(train_model)
+train_model, chunk_fn = speed.training_model(raw_model, ddp, master_weights, dtype,
+                                              checkpoint_activations, compile)
 model = train_model
 if ddp and not cuda_graphs:  # the sinusoids are a constant buffer: nothing to sync in forward
     no_buffer_sync = {'forward_sync_buffers': False}

@@ -9,7 +9,8 @@ import data_prep
 import model as M
 import scale
 
-WORDS = 'a man woman dog runs sits on the in park street with red blue ball child two young old'.split()
+WORDS = ('a man woman dog runs sits on the in park street with red blue ball child two young old'
+         .split())
 
 
 def fake_multi30k(folder, n=300):
@@ -17,7 +18,8 @@ def fake_multi30k(folder, n=300):
     os.makedirs(folder)
     for split in ('train', 'val'):
         sents = [' '.join(rnd.choice(WORDS) for _ in range(rnd.randint(8, 16))) for _ in range(n)]
-        for lang, text in (('en', sents), ('de', [s.upper() for s in sents])):  # a 'translation' by line
+        upper = [s.upper() for s in sents]  # a 'translation' by line
+        for lang, text in (('en', sents), ('de', upper)):
             with gzip.open(os.path.join(folder, f'{split}.{lang}.gz'), 'wt', encoding='utf-8') as f:
                 f.write('\n'.join(text) + '\n')
 
@@ -27,7 +29,8 @@ def read(folder, name):
 
 
 def corpus(tmp_path, out, pairs, *args):
-    """scale.py corpus from the fake Multi30k in tmp_path / 'm30k' (made if need be) into tmp_path / out."""
+    """scale.py corpus from the fake Multi30k in tmp_path / 'm30k' (made if need be) into
+    tmp_path / out."""
     if not (tmp_path / 'm30k').exists():
         fake_multi30k(tmp_path / 'm30k')
     scale.main(
@@ -55,7 +58,8 @@ def test_corpus_is_parallel_wmt_sized_and_reproducible(tmp_path):
     words = np.array([len(s.split()) for s in src])
     assert 20 <= words.mean() <= 32  # WMT's news and Europarl: about 25 words a sentence
     assert words.max() >= 4 * 8  # the tail joins 4 to 24 sentences
-    # the pairs stay parallel: the target is the source upper-cased, but for the pseudo-words both share
+    # the pairs stay parallel: each target is its source upper-cased, but for their shared
+    # pseudo-words
     rare = set(' '.join(src).split()) - set(WORDS)
     assert len(rare) > 100
     for s, t in zip(src, tgt):
@@ -66,7 +70,8 @@ def test_corpus_is_parallel_wmt_sized_and_reproducible(tmp_path):
     held_out = ' '.join(read(a, 'valid.en.gz') + read(a, 'test.en.gz')).split()
     held_out_rare = [w for w in held_out if w not in WORDS]
     seen = sum(w in rare for w in held_out_rare) / len(held_out_rare)
-    assert seen > 0.5  # one pool: held-out rare words are mostly the training set's, as newstest's are WMT's
+    # one pool: held-out rare words are mostly the training set's, as newstest's are WMT's
+    assert seen > 0.5
 
 
 @pytest.mark.parametrize('out', ['a_file', 'a_file/c'])
@@ -78,7 +83,8 @@ def test_an_out_that_cannot_be_made_is_a_one_line_error_naming_it(tmp_path, out)
 
 
 def test_an_out_in_a_new_folder_is_made(tmp_path):
-    corpus(tmp_path, 'new/c', 20, '--held-out', '5', '--pool', '50')  # as data/fake_wmt in a fresh clone
+    # as data/fake_wmt in a fresh clone
+    corpus(tmp_path, 'new/c', 20, '--held-out', '5', '--pool', '50')
     assert len(read(tmp_path / 'new' / 'c', 'train.en.gz')) == 20
 
 
@@ -126,20 +132,23 @@ def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
             str(tmp_path / 'prep'),
         ]
     )
-    scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '512', '4096', '--batches', '20'])
+    loader = ['loader', '--data', str(tmp_path / 'prep')]
+    scale.main(loader + ['--max-tokens', '512', '4096', '--batches', '20'])
     out = capsys.readouterr().out
     assert 'max_tokens 512' in out and 'max_tokens 4096' in out
-    scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '40', '--batches', '20'])
-    assert 'left out' in capsys.readouterr().out  # pairs longer than a batch, as train.py leaves them out
+    scale.main(loader + ['--max-tokens', '40', '--batches', '20'])
+    # pairs longer than a batch, as train.py leaves them out
+    assert 'left out' in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:  # not a division by the zero batches built
-        scale.main(['loader', '--data', str(tmp_path / 'prep'), '--max-tokens', '1'])
+        scale.main(loader + ['--max-tokens', '1'])
     assert 'max_tokens 1' in str(e.value)
 
 
 @pytest.mark.parametrize(
     'argv, named',
     [
-        (['corpus', '--pairs', '10', '--out', 'c', '--src', 'en', '--tgt', 'en'], '--src and --tgt'),
+        (['corpus', '--pairs', '10', '--out', 'c', '--src', 'en', '--tgt', 'en'],
+         '--src and --tgt'),
         (['corpus', '--pairs', '10', '--out', 'c', '--seed', '-1'], '--seed'),
         (['corpus', '--pairs', '10', '--out', 'c', '--pool', '0'], '--pool'),
         (['loader', '--data', 'prep', '--batches', '0'], '--batches'),
@@ -147,7 +156,8 @@ def test_corpus_goes_through_data_prep_and_the_loader(tmp_path, capsys):
         (['checkpoints', '--dir', 'nowhere'], '--dir nowhere'),
     ],
 )
-def test_bad_arguments_are_a_usage_error_naming_the_flag(tmp_path, monkeypatch, capsys, argv, named):
+def test_bad_arguments_are_a_usage_error_naming_the_flag(tmp_path, monkeypatch, capsys, argv,
+                                                          named):
     monkeypatch.chdir(tmp_path)
     (tmp_path / 'a_file').write_text('')
     with pytest.raises(SystemExit) as e:

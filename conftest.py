@@ -1,5 +1,5 @@
-"""Fixtures that several test files share, each made once per session (a module fixture that another test file
-imports is made again for that file)."""
+"""Fixtures that several test files share, each made once per test run (a module fixture that
+another test file imports is made again for that file)."""
 import os
 import random
 from dataclasses import asdict
@@ -22,17 +22,21 @@ def toy(tmp_path_factory):
         torch.set_num_threads(threads)
     folder = tmp_path_factory.mktemp('toy')
     ckpt = folder / 'ckpt.pt'
-    torch.save({'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 250,
-                'config': {}}, ckpt)
-    # Lengths deliberately out of order, so that length-sorted batches would scramble a naive writer.
+    saved = {'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 250,
+             'config': {}}
+    torch.save(saved, ckpt)
+    # Lengths deliberately out of order, so that length-sorted batches would scramble a naive
+    # writer.
     lines = [sentence(random.Random(i)) for i in range(24)]
     (folder / 'test.src').write_text(''.join(line + '\n' for line in lines))
-    return dict(ckpt=str(ckpt), model=model, enc=enc, cfg=cfg, lines=lines, src=str(folder / 'test.src'))
+    return dict(ckpt=str(ckpt), model=model, enc=enc, cfg=cfg, lines=lines,
+                src=str(folder / 'test.src'))
 
 
 @pytest.fixture(scope='session')
 def multi30k_en_de(tmp_path_factory):
-    """The real Multi30k en-de as `data_prep.py multi30k --src en --tgt de` prepares it -> (folder, meta)."""
+    """The real Multi30k en-de as `data_prep.py multi30k --src en --tgt de` prepares it
+    -> (folder, meta)."""
     if not os.path.isdir(data_prep.LOCAL_MULTI30K):
         pytest.skip('no Multi30k copy in ../shared/data')
     out = tmp_path_factory.mktemp('multi30k') / 'multi30k_en_de'

@@ -1,10 +1,11 @@
 """
-Tests for plot.py. Its attention weights are a distribution over keys, causal and blind to padding where the
-model must be, and reproduce what the model's SDPA computes; the plot commands write real PNGs and fail on
-bad input with one line naming the file.
+Tests for plot.py. Its attention weights are a distribution over keys, causal and blind to padding
+where the model must be, and reproduce what the model's SDPA computes; the plot commands write real
+PNGs and fail on bad input with one line naming the file.
 """
 import json
 import os
+import warnings
 from dataclasses import asdict
 
 import pytest
@@ -159,7 +160,8 @@ def test_curves_png_is_valid(tmp_path):
         out = tmp_path / 'figs' / f'curves_{x}.png'
         curves(a, b + '/log.jsonl', '-o', str(out), '--x', x)
         assert_png(out)
-    assert sorted(p.name for p in (tmp_path / 'figs').iterdir()) == ['curves_minutes.png', 'curves_step.png']
+    written = sorted(p.name for p in (tmp_path / 'figs').iterdir())
+    assert written == ['curves_minutes.png', 'curves_step.png']
 
 
 def test_legend_has_an_entry_per_run_even_of_one_folder_name(tmp_path, figures):
@@ -171,8 +173,8 @@ def test_legend_has_an_entry_per_run_even_of_one_folder_name(tmp_path, figures):
 
 
 def test_a_run_with_one_training_record_is_drawn(tmp_path, figures):
-    # A run shorter than log_interval logs only its last step: one point, which a line without a marker
-    # leaves invisible.
+    # A run shorter than log_interval logs only its last step: one point, which a line without a
+    # marker leaves invisible.
     run = write_log(tmp_path / 'r', [train_record(5, 0.2), eval_record(5, 7.0, valid_bleu=0.0)])
     curves(run, '-o', str(tmp_path / 'c.png'))
     for ax in figures[0].axes[:5]:
@@ -181,25 +183,29 @@ def test_a_run_with_one_training_record_is_drawn(tmp_path, figures):
 
 
 def test_eval_minutes_are_interpolated_and_resumes_continue_the_clock(tmp_path):
-    run = write_log(tmp_path / 'r', [train_record(10, 1.0), train_record(20, 2.0), eval_record(15, 6.0),
-                                     train_record(30, 3.0), train_record(40, 4.0),
-                                     # resumed from step 20 in a new process: its clock starts at 0
-                                     train_record(30, 0.5), eval_record(30, 5.0), train_record(40, 1.5)])
-    train, evals = plot.read_log(run)
-    assert [(r['step'], r['minutes']) for r in train] == [(10, 1.0), (20, 2.0), (30, 2.5), (40, 3.5)]
+    records = [train_record(10, 1.0), train_record(20, 2.0), eval_record(15, 6.0),
+               train_record(30, 3.0), train_record(40, 4.0),
+               # resumed from step 20 in a new process: its clock starts at 0
+               train_record(30, 0.5), eval_record(30, 5.0), train_record(40, 1.5)]
+    train, evals = plot.read_log(write_log(tmp_path / 'r', records))
+    want = [(10, 1.0), (20, 2.0), (30, 2.5), (40, 3.5)]
+    assert [(r['step'], r['minutes']) for r in train] == want
     assert [(e['step'], e['minutes']) for e in evals] == [(15, 1.5), (30, 2.5)]
 
 
 def test_a_resumed_run_whose_clock_goes_on_keeps_its_minutes(tmp_path):
-    # train.py restores the training time from the state it resumes (here saved at step 20, 2.0 minutes): the
-    # resumed process logs the run's minutes, which are not to be shifted by the time of the steps it redoes.
-    run = write_log(tmp_path / 'r', [train_record(10, 1.0), train_record(20, 2.0), train_record(30, 3.0),
-                                     train_record(40, 4.0), train_record(30, 3.1), train_record(40, 4.1)])
-    train, _ = plot.read_log(run)
-    assert [(r['step'], r['minutes']) for r in train] == [(10, 1.0), (20, 2.0), (30, 3.1), (40, 4.1)]
+    # train.py restores the training time from the state it resumes (here saved at step 20, 2.0
+    # minutes): the resumed process logs the run's minutes, which are not to be shifted by the time
+    # of the steps it redoes.
+    records = [train_record(10, 1.0), train_record(20, 2.0), train_record(30, 3.0),
+               train_record(40, 4.0), train_record(30, 3.1), train_record(40, 4.1)]
+    train, _ = plot.read_log(write_log(tmp_path / 'r', records))
+    want = [(10, 1.0), (20, 2.0), (30, 3.1), (40, 4.1)]
+    assert [(r['step'], r['minutes']) for r in train] == want
 
 
-def test_non_finite_values_are_said_and_the_finite_points_around_them_drawn(tmp_path, figures, capsys):
+def test_non_finite_values_are_said_and_the_finite_points_around_them_drawn(
+        tmp_path, figures, capsys):
     records = [train_record(50, 0.5, loss=1.0), train_record(100, 1.0, loss=float('nan')),
                train_record(150, 1.5, loss=float('inf')), train_record(200, 2.0, loss=0.5)]
     run = write_log(tmp_path / 'r', records)  # json writes NaN and Infinity, as train.py's log does
@@ -213,7 +219,9 @@ def test_lines_that_are_not_train_py_records_are_skipped_and_counted(tmp_path, c
     run = tmp_path / 'r'
     write_log(run, [train_record(10, 1.0)])
     with open(run / 'log.jsonl', 'a') as f:
-        f.write('{"step": 20, "loss": 1.0, "elapsed_min": "2.0"}\n{"step": 30, "loss": "x"}\n[1, 2]\n')
+        f.write('{"step": 20, "loss": 1.0, "elapsed_min": "2.0"}\n')
+        f.write('{"step": 30, "loss": "x"}\n')
+        f.write('[1, 2]\n')
     train, _ = plot.read_log(str(run))
     assert [r['step'] for r in train] == [10] and 'skipped 3' in capsys.readouterr().err
 
@@ -221,7 +229,8 @@ def test_lines_that_are_not_train_py_records_are_skipped_and_counted(tmp_path, c
 def test_minutes_of_a_log_without_training_records_is_a_one_line_error(tmp_path):
     pytest.importorskip('matplotlib')
     run = write_log(tmp_path / 'r', [eval_record(200, 2.0), eval_record(400, 1.5, valid_bleu=10.0)])
-    with pytest.raises(SystemExit) as e:  # its panels would be drawn empty: no clock to place them on
+    # Its panels would be drawn empty: no clock to place them on.
+    with pytest.raises(SystemExit) as e:
         curves(run, '-o', str(tmp_path / 'c.png'), '--x', 'minutes')
     assert '--x step' in str(e.value) and 'log.jsonl' in str(e.value)
 
@@ -270,8 +279,8 @@ def checkpoint(tmp_path_factory):
                    bos_id=sp['<s>'], eos_id=sp['</s>'])
     path = tmp_path_factory.mktemp('ckpt') / 'ckpt.pt'
     # bleu_lenpen: the length penalty it validated with, which its own translation is to use
-    torch.save({'model': M.Transformer(cfg).state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 0,
-                'config': {'bleu_lenpen': 1.2}}, path)
+    torch.save({'model': M.Transformer(cfg).state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d,
+                'step': 0, 'config': {'bleu_lenpen': 1.2}}, path)
     return str(path)
 
 
@@ -284,15 +293,33 @@ def attention(checkpoint, out, *args):
     ['--layers', '0', '1', '--heads', '1', '-1', '--kinds', 'cross', 'decoder']])
 def test_attention_png_is_valid(tmp_path, checkpoint, extra):
     pytest.importorskip('matplotlib')
-    attention(checkpoint, tmp_path / 'a.png', '--src', 'a man is riding a bike', '--tgt', 'ein mann fährt',
-              *extra)
+    attention(checkpoint, tmp_path / 'a.png', '--src', 'a man is riding a bike',
+              '--tgt', 'ein mann fährt', *extra)
     assert_png(tmp_path / 'a.png')
 
 
-def test_attention_of_its_own_translation_decodes_as_translate_py(tmp_path, checkpoint, monkeypatch):
+def test_attention_shows_a_control_character_token_escaped(tmp_path, checkpoint, figures):
+    # A byte-level BPE token may be a control character, which no font draws: matplotlib warned
+    # "Glyph 7 missing" and drew a box. Shown as repr shows it instead, in the labels and the title.
+    with warnings.catch_warnings():
+        warnings.filterwarnings('error', message='Glyph')
+        attention(checkpoint, tmp_path / 'a.png', '--src', 'a man', '--tgt', 'ein\x07mann',
+                  '--kinds', 'cross', '--heads', '0')
+    ticks = [t for ax in figures[0].axes for t in ax.get_xticklabels() + ax.get_yticklabels()]
+    labels = [t.get_text() for t in ticks]
+    assert '\\x07' in labels and all(label.isprintable() for label in labels)
+    assert any('ein\\x07mann' in t.get_text() for t in figures[0].texts)  # the suptitle
+
+
+def test_attention_of_its_own_translation_decodes_as_translate_py(
+        tmp_path, checkpoint, monkeypatch):
     pytest.importorskip('matplotlib')
     seen, search = [], M.beam_search
-    monkeypatch.setattr(M, 'beam_search', lambda *a, **k: seen.append(k) or search(*a, **k))
+
+    def beam_search(*a, **k):
+        seen.append(k)
+        return search(*a, **k)
+    monkeypatch.setattr(M, 'beam_search', beam_search)
     # An untrained model's translation runs to the length limit: one small map keeps it quick.
     attention(checkpoint, tmp_path / 'a.png', '--src', 'a man', '--kinds', 'cross', '--heads', '0',
               '--beam', '2')

@@ -1,8 +1,8 @@
 """
-Tests for translate.py. conftest.py's `toy` trains a tiny model.Transformer (train_reversal, below) to
-reverse the word order of sentences over a 12-word vocabulary (through a small BPE tokenizer) and saves it
-as train.py saves checkpoints; translate.py runs on it in-process, and as a script where stdin or a terminal
-matters.
+Tests for translate.py. conftest.py's `toy` trains a tiny model.Transformer (train_reversal,
+below) to reverse the word order of sentences over a 12-word vocabulary (through a small BPE
+tokenizer) and saves it as train.py saves checkpoints; translate.py runs on it in-process, and as a
+script where stdin or a terminal matters.
 """
 import functools
 import json
@@ -28,12 +28,14 @@ import translate as T
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORDS = 'alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omicron'.split()
-# Two shared cores: one thread per process is faster than oversubscribed ones, in the fixture and scripts.
+# Two shared cores: one thread per process is faster than oversubscribed ones, in the fixture and
+# the scripts.
 ENV = {**os.environ, 'OMP_NUM_THREADS': '1'}
 
 
 def sentence(rng):
-    return ' '.join(rng.sample(WORDS, rng.randint(1, 9)))  # distinct words: reversal is quick to learn
+    # Distinct words: reversal is quick to learn.
+    return ' '.join(rng.sample(WORDS, rng.randint(1, 9)))
 
 
 def reverse(s):
@@ -41,14 +43,15 @@ def reverse(s):
 
 
 def train_reversal(steps=250, **overrides):
-    """A tiny model trained to reverse word order -> (model in eval mode, tokenizer dict, Encoding, Config).
-    Also used by test_export.py."""
+    """A tiny model trained to reverse word order -> (model in eval mode, tokenizer dict, Encoding,
+    Config). Also used by test_export.py."""
     rng = random.Random(0)
     d = data_prep.train_tokenizer(iter([sentence(rng) for _ in range(3000)]), 400, 'toy')
     enc, sp = dataset.load_tokenizer(d), d['special_tokens']
-    cfg = M.Config(**{**dict(vocab_size=enc.n_vocab, tokenizer_size=enc.n_vocab, n_enc_layers=2,
-                             n_dec_layers=2, d_model=64, d_ff=128, n_heads=4, dropout=0.0, max_len=80,
-                             pad_id=sp['<pad>'], bos_id=sp['<s>'], eos_id=sp['</s>']), **overrides})
+    settings = dict(vocab_size=enc.n_vocab, tokenizer_size=enc.n_vocab, n_enc_layers=2,
+                    n_dec_layers=2, d_model=64, d_ff=128, n_heads=4, dropout=0.0, max_len=80,
+                    pad_id=sp['<pad>'], bos_id=sp['<s>'], eos_id=sp['</s>'])
+    cfg = M.Config(**{**settings, **overrides})
     torch.manual_seed(0)
     model = M.Transformer(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -71,17 +74,20 @@ def train_reversal(steps=250, **overrides):
 
 
 def own_decode(toy, line, greedy=False, nbest=1, exact=False):
-    """The model's own hypotheses for one sentence alone (no batching, no padding) -> [(text, score)]."""
+    """The model's own hypotheses for one sentence alone (no batching, no padding)
+    -> [(text, score)]."""
     src = torch.tensor([toy['enc'].encode_ordinary(line) + [toy['cfg'].eos_id]])
-    hyps = (M.greedy_decode(toy['model'], src, 1, 50) if greedy else
-            M.beam_search(toy['model'], src, 4, 0.6, 1, 50, nbest, exact))[0]
+    if greedy:
+        hyps = M.greedy_decode(toy['model'], src, 1, 50)[0]
+    else:
+        hyps = M.beam_search(toy['model'], src, 4, 0.6, 1, 50, nbest, exact)[0]
     return [(toy['enc'].decode(t), s) for t, s in hyps]
 
 
 def translate(toy, folder, *flags, ckpt=None, src=None):
     """translate.py's main in-process, --output folder/hyp -> the lines written."""
-    T.main(['--ckpt', ckpt or toy['ckpt'], '--input', src or toy['src'], '--output', str(folder / 'hyp'),
-            *flags])
+    T.main(['--ckpt', ckpt or toy['ckpt'], '--input', src or toy['src'],
+            '--output', str(folder / 'hyp'), *flags])
     return (folder / 'hyp').read_text(encoding='utf-8').splitlines()
 
 
@@ -91,8 +97,8 @@ def write_lines(path, lines):
 
 
 def script(args, **kw):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, 'translate.py'), *args], env=ENV, cwd=HERE,
-                            stdout=subprocess.PIPE, **kw)
+    command = [sys.executable, os.path.join(HERE, 'translate.py'), *args]
+    return subprocess.Popen(command, env=ENV, cwd=HERE, stdout=subprocess.PIPE, **kw)
 
 
 def test_file_translation_is_each_sentences_own_beam_search_in_input_order(toy, tmp_path, capsys):
@@ -104,26 +110,33 @@ def test_file_translation_is_each_sentences_own_beam_search_in_input_order(toy, 
     # The comparison means something only if outputs differ by input: the model has learnt the task.
     assert sum(h == reverse(line) for h, line in zip(expected, toy['lines'])) >= 0.8 * len(expected)
     err = capsys.readouterr().err
-    assert 'sentences/s' in err and 'beam 4, lenpen 0.6)' in err  # the default rule is not the exact one
+    # The default rule is not the exact one.
+    assert 'sentences/s' in err and 'beam 4, lenpen 0.6)' in err
 
 
-def test_nbest_lists_are_the_models_own_under_the_early_and_the_exact_stopping_rule(toy, tmp_path, capsys):
-    # 4-best lists: the toy's best hypotheses are the same under both stopping rules, its 4-best lists not.
+def test_nbest_lists_are_the_models_own_under_the_early_and_the_exact_stopping_rule(
+        toy, tmp_path, capsys):
+    # 4-best lists: the toy's best hypotheses are the same under both stopping rules, its 4-best
+    # lists not.
     own = {exact: [h for line in toy['lines'] for h in own_decode(toy, line, nbest=4, exact=exact)]
            for exact in (False, True)}
     assert [h for h, _ in own[False]] != [h for h, _ in own[True]]
-    for flag, exact in (('--exact', True), ('--early-stop', False)):  # --early-stop: the default, accepted
+    # --early-stop: the default, accepted.
+    for flag, exact in (('--exact', True), ('--early-stop', False)):
         rows = [row.split('\t') for row in translate(toy, tmp_path, '--nbest', '4', flag)]
         assert [h for _, h in rows] == [h for h, _ in own[exact]], flag
         scores = [float(s) for s, _ in rows]
         assert scores == pytest.approx([s for _, s in own[exact]], abs=2e-4)
-        assert all(scores[i] >= scores[i + 1] for i in range(len(scores) - 1) if i % 4 != 3)  # best first
-        assert (', exact)' in capsys.readouterr().err) == exact  # the summary line says which rule ran
+        # Best first, within each input's 4 lines.
+        assert all(scores[i] >= scores[i + 1] for i in range(len(scores) - 1) if i % 4 != 3)
+        # The summary line says which rule ran.
+        assert (', exact)' in capsys.readouterr().err) == exact
 
 
 def test_greedy_from_stdin_to_stdout_is_the_models_greedy_decode(toy):
     with open(toy['src'], 'rb') as f:
-        p = script(['--ckpt', toy['ckpt'], '--greedy', '--max-tokens', '30'], stdin=f, stderr=subprocess.PIPE)
+        p = script(['--ckpt', toy['ckpt'], '--greedy', '--max-tokens', '30'], stdin=f,
+                   stderr=subprocess.PIPE)
         out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err.decode()
     expected = [own_decode(toy, line, greedy=True)[0][0] for line in toy['lines']]
@@ -131,16 +144,23 @@ def test_greedy_from_stdin_to_stdout_is_the_models_greedy_decode(toy):
 
 
 def test_translate_lines_streams_in_input_order_and_leaves_caller_state_alone(toy, monkeypatch):
-    model, real, seen = toy['model'], M.greedy_decode, []  # seen: the state each batch decodes in
-    monkeypatch.setattr(M, 'greedy_decode', lambda *a: seen.append(
-        (torch.is_grad_enabled(), torch.is_autocast_enabled('cpu'), model.training)) or real(*a))
+    model, real = toy['model'], M.greedy_decode
+    seen = []  # the state each batch decodes in
+
+    def greedy_decode(*a):
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled('cpu'), model.training))
+        return real(*a)
+    monkeypatch.setattr(M, 'greedy_decode', greedy_decode)
     lines = [' '.join(WORDS[:9])] + toy['lines']  # the longest first: decoded first
     gen = T.translate_lines(model.train(), toy['enc'], lines, greedy=True, max_tokens=30)
     hyps = [next(gen)]
-    assert len(seen) == 1 and torch.is_grad_enabled()  # streamed after the first batch; no_grad inside
+    # Streamed after the first batch; no_grad inside.
+    assert len(seen) == 1 and torch.is_grad_enabled()
     hyps += list(gen)
-    assert len(seen) > 3 and model.training and not any(map(any, seen))  # eval inside, train mode restored
-    with torch.autocast('cpu', dtype=torch.bfloat16):  # dtype float32: autocast off inside, on outside
+    # Eval mode inside, train mode restored.
+    assert len(seen) > 3 and model.training and not any(map(any, seen))
+    # dtype float32: autocast off inside, on outside.
+    with torch.autocast('cpu', dtype=torch.bfloat16):
         next(T.translate_lines(model, toy['enc'], ['alpha'], greedy=True, dtype=torch.float32))
         assert torch.is_autocast_enabled('cpu') and not seen[-1][1]
     next(T.translate_lines(model.eval(), toy['enc'], ['alpha'], greedy=True, dtype=torch.bfloat16))
@@ -149,10 +169,12 @@ def test_translate_lines_streams_in_input_order_and_leaves_caller_state_alone(to
 
 
 def test_lenpen_defaults_to_the_one_the_checkpoint_was_validated_with(toy, tmp_path):
-    # train.py keeps bleu_lenpen in the checkpoint's config; translate.py decodes with it unless --lenpen
-    # says otherwise, and with the paper's 0.6 where the config has none. nbest scores show the alpha used.
+    # train.py keeps bleu_lenpen in the checkpoint's config; translate.py decodes with it unless
+    # --lenpen says otherwise, and with the paper's 0.6 where the config has none. nbest scores show
+    # the alpha used.
     tuned, src = tmp_path / 'tuned.pt', write_lines(tmp_path / 'src', toy['lines'][:6])
-    torch.save({**torch.load(toy['ckpt'], weights_only=True), 'config': {'bleu_lenpen': 1.5}}, tuned)
+    base = torch.load(toy['ckpt'], weights_only=True)
+    torch.save({**base, 'config': {'bleu_lenpen': 1.5}}, tuned)
 
     def scores(ckpt, *flags):
         return translate(toy, tmp_path, '--nbest', '2', *flags, ckpt=str(ckpt), src=src)
@@ -161,17 +183,21 @@ def test_lenpen_defaults_to_the_one_the_checkpoint_was_validated_with(toy, tmp_p
 
 
 def test_compiled_decoding_gives_the_eager_output(toy, tmp_path, monkeypatch):
-    # Dynamo's capture of decode and output (the KV cache's mutations, extend's compile-only path), with the
-    # eager backend: inductor's C++ build of their graphs took 30-60 s on two shared cores.
+    # Dynamo's capture of decode and output (the KV cache's mutations, extend's compile-only path),
+    # with the eager backend: inductor's C++ build of their graphs took 30-60 s on two shared cores.
     import torch._inductor.config as inductor
-    monkeypatch.setattr(inductor, 'freezing', inductor.freezing)  # --compile sets it for the whole process
+    # --compile sets it for the whole process.
+    monkeypatch.setattr(inductor, 'freezing', inductor.freezing)
     monkeypatch.setattr(torch, 'compile', functools.partial(torch.compile, backend='eager'))
-    src = write_lines(tmp_path / 'src', toy['lines'][1:2])  # one line: each batch size is another graph
+    # One line: each batch size is another graph.
+    src = write_lines(tmp_path / 'src', toy['lines'][1:2])
     assert translate(toy, tmp_path, '--compile', src=src) == translate(toy, tmp_path, src=src)
 
 
-def test_bad_input_or_output_gives_exactly_one_output_line_per_input_line(toy, tmp_path, capsys, monkeypatch):
-    raw = [b'alpha beta gamma\r\n', b'\n', b'   \n', ' '.join(WORDS * 7).encode() + b'\n',  # 84 tokens > 80
+def test_bad_input_or_output_gives_exactly_one_output_line_per_input_line(
+        toy, tmp_path, capsys, monkeypatch):
+    raw = [b'alpha beta gamma\r\n', b'\n', b'   \n',
+           ' '.join(WORDS * 7).encode() + b'\n',  # 84 tokens > 80
            b'beta \xff\xfe delta\n', b'alpha\rbeta\n', 'eta\u2028theta'.encode() + b'\n',
            b'</s> <pad> kappa\r\n', b'\r\n', b'alpha beta gamma']  # the last line has no newline
     (tmp_path / 'bad.src').write_bytes(b''.join(raw))
@@ -189,21 +215,26 @@ def test_bad_input_or_output_gives_exactly_one_output_line_per_input_line(toy, t
 
 
 def test_outputs_stop_at_the_positional_table_with_a_warning_whatever_the_cap(toy, capsys):
-    # A decoder that never ends: its last layer's output is the constant 1, and EOS has the lowest logit.
+    # A decoder that never ends: its last layer's output is the constant 1, and EOS has the lowest
+    # logit.
     model, cfg, enc = M.Transformer(toy['cfg']).eval(), toy['cfg'], toy['enc']
     model.load_state_dict(toy['model'].state_dict())
     with torch.no_grad():
-        model.decoder[-1].norm3.weight.zero_(), model.decoder[-1].norm3.bias.fill_(1.0)
+        model.decoder[-1].norm3.weight.zero_()
+        model.decoder[-1].norm3.bias.fill_(1.0)
         model.embed.weight[cfg.eos_id] = -1.0
         model.embed.weight[enc.encode_ordinary('alpha')[0]] = 1.0
-    lines = ['alpha beta', ' '.join(WORDS * 4)]  # caps 3 + 50 and 49 + 50 > the table's 79; the source fits
-    for a, b, short in ((1, 50, 52), (1e30, 50, 78), (1, 10 ** 20, 78)):  # far past the table is the table
+    # Caps 3 + 50 and 49 + 50 > the table's 79; the source fits.
+    lines = ['alpha beta', ' '.join(WORDS * 4)]
+    # A cap far past the table is the table.
+    for a, b, short in ((1, 50, 52), (1e30, 50, 78), (1, 10 ** 20, 78)):
         stats = {}
-        out = list(T.translate_lines(model, enc, lines, greedy=True, max_len_a=a, max_len_b=b, first_line=7,
-                                     stats=stats))
+        out = list(T.translate_lines(model, enc, lines, greedy=True, max_len_a=a, max_len_b=b,
+                                     first_line=7, stats=stats))
         err = capsys.readouterr().err
         assert len(out) == 2 and stats['tgt_tokens'] == short + cfg.max_len - 2, (a, b)
-        assert 'line 8:' in err and f'max_len {cfg.max_len}' in err and 'truncated' not in err, (a, b)
+        assert 'line 8:' in err and f'max_len {cfg.max_len}' in err, (a, b)
+        assert 'truncated' not in err, (a, b)
         assert ('line 7:' in err) == (short == cfg.max_len - 2), (a, b)
 
 
@@ -222,7 +253,8 @@ def test_bleu_and_paper_bleu_are_sacrebleus_the_latter_with_compounds_split():
     assert T.bleu(hyps, refs).score == pytest.approx(100 * (5 / 6 * 3 / 5 * 2 / 4 * 1 / 3) ** 0.25)
     hyps, refs = ['Das Software-Update ist da.'], ['Das Software-Paket ist "da".']
     want = sacrebleu.metrics.BLEU(tokenize='none').corpus_score(
-        ['Das Software ##AT##-##AT## Update ist da .'], [['Das Software ##AT##-##AT## Paket ist " da " .']])
+        ['Das Software ##AT##-##AT## Update ist da .'],
+        [['Das Software ##AT##-##AT## Paket ist " da " .']])
     assert T.paper_bleu(hyps, refs).score == pytest.approx(want.score)
     assert want.score > T.bleu(hyps, refs).score
 
@@ -240,28 +272,40 @@ def test_output_file_appears_only_when_complete(toy, tmp_path, monkeypatch):
     # The old file stands, and the stopped run's part is gone (not left to look like a result).
     assert out.read_text() == 'the previous translation\n' and os.listdir(tmp_path) == ['hyp']
     monkeypatch.undo()
-    assert len(translate(toy, tmp_path, '--greedy')) == len(toy['lines']) and os.listdir(tmp_path) == ['hyp']
+    assert len(translate(toy, tmp_path, '--greedy')) == len(toy['lines'])
+    assert os.listdir(tmp_path) == ['hyp']
 
 
-def test_a_device_or_fifo_output_is_written_in_place_and_a_missing_folder_is_one_line(toy, tmp_path):
+def test_a_device_or_fifo_output_is_written_in_place_and_a_missing_folder_is_one_line(
+        toy, tmp_path):
     fifo, got = tmp_path / 'fifo', []
-    os.mkfifo(fifo)  # as /dev/null or /dev/stdout: renaming a finished file over it would replace it
-    reader = threading.Thread(target=lambda: got.append(open(fifo, encoding='utf-8').read()), daemon=True)
+    # As /dev/null or /dev/stdout: renaming a finished file over it would replace it.
+    os.mkfifo(fifo)
+
+    def read():
+        with open(fifo, encoding='utf-8') as f:
+            got.append(f.read())
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(fifo), '--greedy'])
     reader.join(timeout=60)
-    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and got and len(got[0].splitlines()) == len(toy['lines'])
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert got and len(got[0].splitlines()) == len(toy['lines'])
     with pytest.raises(SystemExit) as e:
-        T.main(['--ckpt', toy['ckpt'], '--input', toy['src'], '--output', str(tmp_path / 'no' / 'hyp')])
+        T.main(['--ckpt', toy['ckpt'], '--input', toy['src'],
+                '--output', str(tmp_path / 'no' / 'hyp')])
     assert str(tmp_path / 'no' / 'hyp') in str(e.value.code) and '\n' not in str(e.value.code)
 
 
 def test_an_output_that_is_an_input_or_a_folder_is_refused(toy, tmp_path, capsys):
-    src, ckpt, folder = write_lines(tmp_path / 'src', ['alpha beta']), tmp_path / 'ckpt.pt', tmp_path / 'sub'
+    src = write_lines(tmp_path / 'src', ['alpha beta'])
+    ckpt = tmp_path / 'ckpt.pt'
+    folder = tmp_path / 'sub'
     ckpt.write_bytes(open(toy['ckpt'], 'rb').read())
     folder.mkdir()
-    for flags in (['--output', src], ['--output', str(ckpt)], ['--ref', toy['src'], '--output', toy['src']],
-                  ['--output', str(folder)], ['--average-last', '1', '--save-average', str(ckpt)],
+    for flags in (['--output', src], ['--output', str(ckpt)],
+                  ['--ref', toy['src'], '--output', toy['src']], ['--output', str(folder)],
+                  ['--average-last', '1', '--save-average', str(ckpt)],
                   ['--average-last', '1', '--save-average', str(folder)]):
         with pytest.raises(SystemExit) as e:
             T.main(['--ckpt', str(ckpt), '--input', src, *flags])
@@ -271,19 +315,22 @@ def test_an_output_that_is_an_input_or_a_folder_is_refused(toy, tmp_path, capsys
 
 
 def test_a_checkpoint_older_than_tokenizer_size_takes_it_from_its_tokenizer(toy, tmp_path):
-    # Its model_cfg lacks the field: loading sets it from the embedded tokenizer, and it averages with the
-    # newer snapshots of its run (one resumed across versions).
+    # Its model_cfg lacks the field: loading sets it from the embedded tokenizer, and it averages
+    # with the newer snapshots of its run (one resumed across versions).
     base = torch.load(toy['ckpt'], weights_only=True)
-    old = {**base, 'model_cfg': {k: v for k, v in base['model_cfg'].items() if k != 'tokenizer_size'}}
-    torch.save(old, tmp_path / 'old.pt')
-    assert checkpoint.load_checkpoint(str(tmp_path / 'old.pt'))[0].cfg.tokenizer_size == toy['enc'].n_vocab
+    old_cfg = {k: v for k, v in base['model_cfg'].items() if k != 'tokenizer_size'}
+    torch.save({**base, 'model_cfg': old_cfg}, tmp_path / 'old.pt')
+    model = checkpoint.load_checkpoint(str(tmp_path / 'old.pt'))[0]
+    assert model.cfg.tokenizer_size == toy['enc'].n_vocab
     averaged = checkpoint.average_checkpoints([toy['ckpt'], str(tmp_path / 'old.pt')])
     assert averaged.keys() == base['model'].keys()
 
 
-def test_averaging_is_the_mean_of_the_newest_by_step_of_one_run_saved_loadable_anywhere(toy, tmp_path):
+def test_averaging_is_the_mean_of_the_newest_by_step_of_one_run_saved_loadable_anywhere(
+        toy, tmp_path):
     base = torch.load(toy['ckpt'], weights_only=True)
-    (tmp_path / 'tokenizer.json').write_text(json.dumps(base['tokenizer']))  # named by a relative path
+    # The checkpoints name their tokenizer by a relative path.
+    (tmp_path / 'tokenizer.json').write_text(json.dumps(base['tokenizer']))
     states = {}
     for step in (90, 100, 1000):  # by name, ckpt_90.pt would sort last
         g = torch.Generator().manual_seed(step)
@@ -295,12 +342,14 @@ def test_averaging_is_the_mean_of_the_newest_by_step_of_one_run_saved_loadable_a
     avg.parent.mkdir()
     assert translate(toy, avg.parent, '--average-last', '2', '--save-average', str(avg), '--greedy',
                      ckpt=str(tmp_path), src=write_lines(tmp_path / 'src', ['alpha beta'])) != []
-    saved = checkpoint.load_checkpoint(str(avg))[2]  # its tokenizer embedded: the relative path does not resolve there
+    # Its tokenizer embedded: the relative path does not resolve there.
+    saved = checkpoint.load_checkpoint(str(avg))[2]
     assert saved['averaged'] == ['ckpt_100.pt', 'ckpt_1000.pt'] and saved['step'] == 1000
     for k, v in saved['model'].items():
         torch.testing.assert_close(v, (states[100][k] + states[1000][k]) / 2)
     tok = {**base['tokenizer'], 'pattern': base['tokenizer']['pattern'] + '|x'}
-    for name, other in (('tokenizer', {**base, 'tokenizer': tok}),  # checkpoints of another run: refused
+    # Checkpoints of another run: refused.
+    for name, other in (('tokenizer', {**base, 'tokenizer': tok}),
                         ('eos_id', {**base, 'model_cfg': {**base['model_cfg'], 'eos_id': 5}})):
         torch.save(other, tmp_path / f'{name}.pt')
         with pytest.raises(SystemExit) as e:
@@ -359,16 +408,25 @@ needs_packing = pytest.mark.skipif(not hasattr(torch.ops.mkldnn, '_reorder_linea
                                    reason='this PyTorch build cannot prepack weights for oneDNN')
 
 
-def patched(model):  # what packed_weights sets: instance attributes over the classes' forward and output
-    return [m for m in model.modules() if 'forward' in vars(m)] + [model] * ('output' in vars(model))
+def patched(model):
+    """What packed_weights sets: instance attributes over the classes' forward and output."""
+    found = [m for m in model.modules() if 'forward' in vars(m)]
+    if 'output' in vars(model):
+        found.append(model)
+    return found
 
 
 @needs_packing
 def test_packed_weights_decode_as_the_plain_model_and_are_removed_on_exit(toy, monkeypatch):
     model, real, seen = toy['model'], M.beam_search, []
-    monkeypatch.setattr(M, 'beam_search', lambda m, *a: seen.append(len(patched(m))) or real(m, *a))
+
+    def beam_search(m, *a):
+        seen.append(len(patched(m)))
+        return real(m, *a)
+    monkeypatch.setattr(M, 'beam_search', beam_search)
     packed = list(T.translate_lines(model, toy['enc'], toy['lines']))
-    assert seen and all(seen) and not patched(model)  # every batch took the packed path; then it is gone
+    # Every batch took the packed path; then it is gone.
+    assert seen and all(seen) and not patched(model)
     n = len(seen)
     assert packed == list(T.translate_lines(model, toy['enc'], toy['lines'], pack=False))
     assert not any(seen[n:])
@@ -384,12 +442,18 @@ def test_packed_weights_decode_as_the_plain_model_and_are_removed_on_exit(toy, m
 
 @needs_packing
 def test_packed_weights_are_reused_until_a_weight_changes(monkeypatch):
-    # translate_lines keeps the copies across its batches; a caller may train the model between two lines.
+    # translate_lines keeps the copies across its batches; a caller may train the model between two
+    # lines.
     torch.manual_seed(0)
-    m = M.Transformer(M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=32, d_ff=64, n_heads=4,
-                               dropout=0.0, max_len=64)).eval()
+    cfg = M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=32, d_ff=64, n_heads=4,
+                   dropout=0.0, max_len=64)
+    m = M.Transformer(cfg).eval()
     real, packs, reuse = torch.ops.mkldnn._reorder_linear_weight, [], {}
-    monkeypatch.setattr(torch.ops.mkldnn, '_reorder_linear_weight', lambda w: packs.append(id(w)) or real(w))
+
+    def reorder(w):
+        packs.append(id(w))
+        return real(w)
+    monkeypatch.setattr(torch.ops.mkldnn, '_reorder_linear_weight', reorder)
     memory, src_mask = m.encode(torch.tensor([[5, 6, 7, 8, 2]]))
     tgt, w1 = torch.randint(3, 24, (1, 4)), m.decoder[0].ffn.w1.weight
     with torch.no_grad():
@@ -402,12 +466,13 @@ def test_packed_weights_are_reused_until_a_weight_changes(monkeypatch):
         plain = m.output(m.decode(tgt, memory, src_mask))
         with T.packed_weights(m, reuse):
             assert packs[n:] == [id(w1)]  # that weight alone packed again, and used
-            torch.testing.assert_close(m.output(m.decode(tgt, memory, src_mask)), plain, atol=1e-5, rtol=0)
+            packed = m.output(m.decode(tgt, memory, src_mask))
+            torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
 
 
 def test_keep_freed_memory_sets_the_glibc_options_it_names(monkeypatch):
-    # Its promise is the options it sets (numbered as in glibc's malloc.h), not what the heap does next: that
-    # depends on the machine's memory state, transparent huge pages and GLIBC_TUNABLES (issue #43).
+    # Its promise is the options it sets (numbered as in glibc's malloc.h), not what the heap does
+    # next: that depends on the machine's memory state, transparent huge pages and GLIBC_TUNABLES.
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
     calls = []
 
@@ -419,10 +484,12 @@ def test_keep_freed_memory_sets_the_glibc_options_it_names(monkeypatch):
             return self.accepts
     libc = Libc()
     monkeypatch.setattr(speed.ctypes, 'CDLL', lambda name: libc if name == 'libc.so.6' else None)
-    assert speed.keep_freed_memory() is True  # kept: no block mapped apart, the heap trimmed above 1 GB
+    # Kept: no block mapped apart, the heap trimmed above 1 GB.
+    assert speed.keep_freed_memory() is True
     assert calls == [(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2 ** 30)]
     calls.clear()
-    assert speed.keep_freed_memory(keep=False) is True  # blocks of 8 MB or more mapped apart: given back
+    # Blocks of 8 MB or more mapped apart: given back.
+    assert speed.keep_freed_memory(keep=False) is True
     assert calls == [(M_MMAP_THRESHOLD, 8 << 20)]
     libc.accepts = 0
     assert speed.keep_freed_memory() is False

@@ -1,11 +1,14 @@
 """
-Translate with a trained checkpoint: batched beam search (or greedy) over a file or stdin, results in input
-order, optionally scored against a reference with sacreBLEU, chrF and the paper's tokenised BLEU.
+Translate with a trained checkpoint: batched beam search (or greedy) over a file or stdin, results
+in input order, optionally scored against a reference with sacreBLEU, chrF and the paper's tokenised
+BLEU.
 
     python translate.py --ckpt out/wmt_base/ckpt.pt < newstest2014.en > hyp.de
-    python translate.py --ckpt out/wmt_base --average-last 5 --input test.en --output hyp.de --ref test.de
-    python translate.py --ckpt out/wmt_base/ckpt.pt        # on a terminal: translates lines as typed
-    python translate.py --ckpt out/multi30k_en_de/ct2 ...  # an export_ct2.py export, decoded by CTranslate2
+    python translate.py --ckpt out/wmt_base --average-last 5 --input test.en --ref test.de
+    python translate.py --ckpt out/wmt_base/ckpt.pt         # at a terminal: lines as typed
+    python translate.py --ckpt out/multi30k_en_de/ct2 ...   # an export_ct2.py export
+
+Checkpoints are read and averaged by checkpoint.py; an export is served by export_ct2.CT2Model.
 """
 import argparse
 import math
@@ -30,39 +33,59 @@ import speed
 from checkpoint import fail
 
 # -----------------------------------------------------------------------------------------------
-# loading a checkpoint or an export
+# prepacked weights for CPU decoding
+
+
+def can_pack(model):
+    """Whether packed_weights applies: a float32 torch model on the CPU, run without autograd or
+    autocast, on a PyTorch build that has the private oneDNN ops (where absent: F.linear)."""
+    if not isinstance(model, nn.Module):
+        return False
+    weight = model.embed.weight
+    if weight.device.type != 'cpu' or weight.dtype != torch.float32:
+        return False
+    if torch.is_grad_enabled() or torch.is_autocast_enabled('cpu'):
+        return False
+    return hasattr(torch.ops.mkldnn, '_reorder_linear_weight')
 
 
 @contextmanager
 def packed_weights(model, reuse=None):
-    """Within it, a float32 CPU model multiplies with weights prepacked for oneDNN, where eager PyTorch uses
-    MKL: 1.1-2x faster decoding on some CPUs (docs/serving.md). `reuse`, a dict the caller keeps across
-    calls, keeps the copies for the next entry, repacking a weight changed in between."""
-    w = getattr(model, 'embed', None)
-    if not (isinstance(model, nn.Module) and w.weight.device.type == 'cpu' and w.weight.dtype == torch.float32
-            and not torch.is_grad_enabled() and not torch.is_autocast_enabled('cpu')
-            and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')):  # private ops: where absent, F.linear
+    """Within it, a float32 CPU model multiplies with weights prepacked for oneDNN, where eager
+    PyTorch uses MKL: 1.1-2x faster decoding on some CPUs (docs/serving.md). `reuse`, a dict the
+    caller keeps across calls, keeps the copies for the next entry, repacking a weight changed in
+    between."""
+    if not can_pack(model):
         yield
         return
-    reuse = {} if reuse is None else reuse
+    if reuse is None:
+        reuse = {}
 
-    def packed(weight, bias=None, op='none'):  # keyed on the storage and its version, bumped by every change
+    def packed(weight, bias=None, op='none'):
+        # Keyed on the storage and its version, which every in-place change bumps.
         key = (weight.data_ptr(), weight._version)
-        if reuse.get(id(weight), (None,))[0] != key:
+        kept = reuse.get(id(weight))
+        if kept is None or kept[0] != key:
             reuse[id(weight)] = key, torch.ops.mkldnn._reorder_linear_weight(weight)
         pack = reuse[id(weight)][1]
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, pack, bias, op, [], '')
+
+    def fused_ffn(ffn):
+        # oneDNN applies the ReLU as it writes W1's product, not in another pass.
+        w1 = packed(ffn.w1.weight, ffn.w1.bias, 'relu')
+        return lambda x: ffn.w2(w1(x))
 
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     ffns = [m for m in model.modules() if isinstance(m, M.FeedForward)]
     try:
         for m in linears:
             m.forward = packed(m.weight, m.bias)
-        for f in ffns:  # oneDNN applies the ReLU as it writes W1's product, not in another pass
-            f.forward = lambda x, w1=packed(f.w1.weight, f.w1.bias, 'relu'), w2=f.w2: w2(w1(x))
-        model.output = packed(w.weight)
+        for f in ffns:
+            f.forward = fused_ffn(f)
+        model.output = packed(model.embed.weight)
         yield
-    finally:  # the instance attributes go, and the classes' forward and output are seen again
+    finally:
+        # The instance attributes go, and the classes' forward and output are seen again.
         for m in linears + ffns:
             m.__dict__.pop('forward', None)
         model.__dict__.pop('output', None)
@@ -71,71 +94,119 @@ def packed_weights(model, reuse=None):
 # -----------------------------------------------------------------------------------------------
 # translation
 
-def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b=50, max_tokens=4096,
-                    nbest=1, greedy=False, dtype=None, first_line=1, stats=None, exact=False, pack=True):
-    """Yields one result per line of `lines`, in input order, each as soon as it and all lines before it
-    are decoded: the hypothesis string, or with nbest > 1 a list of (score, string), best first. Sources
-    are length-sorted and batched to at most max_tokens padded source tokens. dtype: autocast to it (None
-    leaves the caller's as it is). Empty lines give ''; over-long ones are truncated with a warning.
-    stats, a dict, gets 'sentences', 'src_tokens' and 'tgt_tokens' (best hypotheses) added to it."""
-    if nbest > (1 if greedy else beam):
-        raise ValueError(f"nbest {nbest} needs a beam at least that wide")
-    cfg = model.cfg
-    device = model.device if isinstance(model, export_ct2.CT2Model) else next(model.parameters()).device
-    # Source + EOS fill at most the positional table; the output cap a * |src| + b is lowered to the table
-    # where it must be (model.max_lengths), as fairseq does, and a translation that reaches it is named.
-    limit, lines, srcs = cfg.max_len - 1, list(lines), {}
+def encode_sources(enc, cfg, lines, first_line):
+    """{line index: source ids + EOS} of the non-empty lines, an over-long one truncated with a
+    warning: source + EOS fill at most the positional table."""
+    limit = cfg.max_len - 1
+    srcs = {}
     for i, line in enumerate(lines):
-        if line.strip():
-            toks = enc.encode_ordinary(line.strip())  # ordinary: text spelling '</s>' is words, not EOS
-            if len(toks) > limit:
-                checkpoint.warn(f"line {first_line + i}: {len(toks)} tokens, truncated to the model's limit of {limit}")
-                toks = toks[:limit]
-            srcs[i] = toks + [cfg.eos_id]
-    # Longest first: padding stays small, and a batch too large for memory fails at once, not at the end.
+        if not line.strip():
+            continue
+        toks = enc.encode_ordinary(line.strip())  # ordinary: text spelling '</s>' is words, not EOS
+        if len(toks) > limit:
+            checkpoint.warn(f"line {first_line + i}: {len(toks)} tokens, "
+                            f"truncated to the model's limit of {limit}")
+            toks = toks[:limit]
+        srcs[i] = toks + [cfg.eos_id]
+    return srcs
+
+
+def length_batches(srcs, max_tokens):
+    """The line indices of srcs in batches of at most max_tokens padded source tokens, longest
+    first: padding stays small, and a batch too large for memory fails at once, not at the end."""
     ids = list(srcs)
     sizes = np.array([len(srcs[i]) for i in ids], dtype=np.int64)
-    batches = [[ids[j] for j in b]
-               for b in dataset.token_batches(sizes, np.argsort(-sizes, kind='stable'), max_tokens)]
-    autocast = (nullcontext() if dtype is None else
-                torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
+    order = np.argsort(-sizes, kind='stable')
+    return [[ids[j] for j in batch] for batch in dataset.token_batches(sizes, order, max_tokens)]
+
+
+def padded(srcs, batch, pad_id, device):
+    longest = len(srcs[batch[0]])  # the batch's first source: batches are sorted longest first
+    rows = [srcs[i] + [pad_id] * (longest - len(srcs[i])) for i in batch]
+    return torch.tensor(rows, device=device)
+
+
+def warn_at_limit(cfg, srcs, batch, out, max_len_a, max_len_b, first_line):
+    # The output cap a * |src| + b is lowered to the positional table where it must be
+    # (model.max_lengths), as fairseq does; a translation that reaches the table is named.
+    for i, hyps in zip(batch, out):
+        cap = int(max_len_a * len(srcs[i]) + max_len_b)
+        if cap > cfg.max_len - 1 and len(hyps[0][0]) >= cfg.max_len - 2:
+            checkpoint.warn(f"line {first_line + i}: translation stopped at the model's limit of "
+                            f"{cfg.max_len - 2} tokens (max_len {cfg.max_len}), "
+                            f"below a * |src| + b = {cap}")
+
+
+def texts_of(enc, hyps):
+    # Ids past the tokenizer's (a vocabulary padded for speed) have no text; a line break in a
+    # hypothesis would shift every later line of the output.
+    texts = []
+    for toks, _ in hyps:
+        text = enc.decode([t for t in toks if t < enc.n_vocab])
+        texts.append(data_prep.LINE_BREAKS.sub(' ', text))
+    return texts
+
+
+def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b=50,
+                    max_tokens=4096, nbest=1, greedy=False, dtype=None, first_line=1, stats=None,
+                    exact=False, pack=True):
+    """Yields one result per line of `lines`, in input order, each as soon as it and all lines
+    before it are decoded: the hypothesis string, or with nbest > 1 a list of (score, string), best
+    first. Sources are length-sorted and batched to at most max_tokens padded source tokens. dtype:
+    autocast to it (None leaves the caller's as it is). Empty lines give ''; over-long ones are
+    truncated with a warning. stats, a dict, gets 'sentences', 'src_tokens' and 'tgt_tokens' (of the
+    best hypotheses) added."""
+    width = 1 if greedy else beam
+    if nbest > width:
+        raise ValueError(f"nbest {nbest} needs a beam at least that wide")
+    cfg = model.cfg
+    ct2 = isinstance(model, export_ct2.CT2Model)
+    if ct2:
+        device = model.device
+    else:
+        device = next(model.parameters()).device
+    lines = list(lines)
+    srcs = encode_sources(enc, cfg, lines, first_line)
+    batches = length_batches(srcs, max_tokens)
+    autocast = nullcontext()
+    if dtype is not None:
+        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     if stats is not None:
         for k in ('sentences', 'src_tokens', 'tgt_tokens'):
             stats.setdefault(k, 0)
         stats['sentences'] += len(lines)
         stats['src_tokens'] += sum(map(len, srcs.values()))
-    done, nxt, was_training, packs = {}, 0, model.training, {}  # packs: packed_weights' copies, kept
+    done = {}  # line index -> hypotheses, until every line before it is out
+    nxt = 0  # the next line to yield
+    packs = {}  # packed_weights' copies, kept across batches
+    was_training = model.training
     model.eval()
     try:
         for batch in [[]] + batches:  # the empty first batch emits any leading empty lines at once
             if batch:
-                S = len(srcs[batch[0]])
-                src = torch.tensor([srcs[i] + [cfg.pad_id] * (S - len(srcs[i])) for i in batch],
-                                   device=device)
-                # no_grad, autocast and packed weights only around the work: a generator must not leak
-                # them to the caller (who may train the model between two lines).
-                with torch.no_grad(), autocast, packed_weights(model, packs) if pack else nullcontext():
-                    if isinstance(model, export_ct2.CT2Model):
-                        out = model.decode(src, 1 if greedy else beam, alpha, max_len_a, max_len_b, nbest)
+                src = padded(srcs, batch, cfg.pad_id, device)
+                packing = packed_weights(model, packs) if pack else nullcontext()
+                # no_grad, autocast and packed weights only around the work: a generator must not
+                # leak them to the caller (who may train the model between two lines).
+                with torch.no_grad(), autocast, packing:
+                    if ct2:
+                        out = model.decode(src, width, alpha, max_len_a, max_len_b, nbest)
                     elif greedy:
                         out = M.greedy_decode(model, src, max_len_a, max_len_b)
                     else:
-                        out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, exact)
-                for i, hyps in zip(batch, out):
-                    cap = int(max_len_a * len(srcs[i]) + max_len_b)
-                    if cap > cfg.max_len - 1 and len(hyps[0][0]) >= cfg.max_len - 2:
-                        checkpoint.warn(f"line {first_line + i}: translation stopped at the model's limit of "
-                             f"{cfg.max_len - 2} tokens (max_len {cfg.max_len}), below a * |src| + b = {cap}")
+                        out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest,
+                                            exact)
+                warn_at_limit(cfg, srcs, batch, out, max_len_a, max_len_b, first_line)
                 done.update(zip(batch, out))
             while nxt < len(lines) and (nxt in done or nxt not in srcs):
-                hyps = done.pop(nxt, [([], 0.0)])
+                hyps = done.pop(nxt, [([], 0.0)])  # an empty line: no hypothesis
                 if stats is not None:
                     stats['tgt_tokens'] += len(hyps[0][0])
-                # Ids past the tokenizer's (a vocabulary padded for speed) have no text; a line break in a
-                # hypothesis would shift every later line of the output.
-                texts = [data_prep.LINE_BREAKS.sub(' ', enc.decode([t for t in toks if t < enc.n_vocab]))
-                         for toks, _ in hyps]
-                yield texts[0] if nbest == 1 else [(s, t) for t, (_, s) in zip(texts, hyps)]
+                texts = texts_of(enc, hyps)
+                if nbest == 1:
+                    yield texts[0]
+                else:
+                    yield [(score, text) for text, (_, score) in zip(texts, hyps)]
                 nxt += 1
     finally:
         model.train(was_training)
@@ -145,7 +216,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
 # scoring
 
 def bleu(hyps, refs):
-    """Corpus sacreBLEU (13a tokenisation, mixed case): the comparable, signed number. -> BLEUScore."""
+    """Corpus sacreBLEU (13a tokenisation, mixed case): the comparable, signed number."""
     return BLEU().corpus_score(list(hyps), [list(refs)])
 
 
@@ -154,25 +225,145 @@ def split_compounds(text, tokenize=Tokenizer13a()):
 
 
 def paper_bleu(hyps, refs):
-    """The paper's tokenised BLEU with compounds split, as tensor2tensor's get_ende_bleu.sh computes it
-    (Moses tokenizer, then 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g', then multi-bleu.perl): here sacreBLEU's 13a
-    tokenizer stands in for Moses, then the same regex, then BLEU on whitespace tokens. Usually about a point
-    above sacreBLEU on WMT14 en-de, since a half-right compound still earns n-gram matches."""
-    return BLEU(tokenize='none', force=True).corpus_score(
-        [split_compounds(h) for h in hyps], [[split_compounds(r) for r in refs]])
+    """The paper's tokenised BLEU with compounds split, as tensor2tensor's get_ende_bleu.sh
+    computes it (Moses tokenizer, then 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g', then
+    multi-bleu.perl): here sacreBLEU's 13a tokenizer stands in for Moses, then the same regex, then
+    BLEU on whitespace tokens. Usually about a point above sacreBLEU on WMT14 en-de, since a
+    half-right compound still earns n-gram matches."""
+    split_hyps = [split_compounds(h) for h in hyps]
+    split_refs = [split_compounds(r) for r in refs]
+    return BLEU(tokenize='none', force=True).corpus_score(split_hyps, [split_refs])
+
+
+def print_scores(hyps, refs, paper):
+    for name, metric in (('sacreBLEU', BLEU()), ('chrF', CHRF())):
+        score = metric.corpus_score(hyps, [refs])
+        print(f"{name}: {score}  ({metric.get_signature()})", file=sys.stderr)
+    if paper:
+        score = paper_bleu(hyps, refs)
+        print(f"paper BLEU (13a-tokenised, compounds split): {score}", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------------------------
 # command line
 
+def arg_parser():
+    p = argparse.ArgumentParser(description="Translate a file or stdin with a trained checkpoint.")
+    p.add_argument('--ckpt', required=True, help="checkpoint file (with --average-last, a file or "
+                   "folder), or an export_ct2.py folder")
+    p.add_argument('--input', help="source text, one sentence per line (default: stdin)")
+    p.add_argument('--output', help="where the translations go (default: stdout)")
+    p.add_argument('--beam', type=int, default=4, help="beam size (the paper: 4)")
+    p.add_argument('--lenpen', type=float, help="GNMT's length penalty alpha: "
+                   "log P / ((5 + |Y|) / 6)^alpha, not fairseq's log P / |Y|^lenpen "
+                   "(default: the model's own, its config's bleu_lenpen)")
+    p.add_argument('--max-len-a', type=float, default=1.0, help="at most a * (source tokens + EOS) "
+                   "+ b output tokens, EOS included (paper: 1, 50)")
+    p.add_argument('--max-len-b', type=int, default=50)
+    p.add_argument('--greedy', action='store_true', help="greedy decoding instead of beam search")
+    p.add_argument('--nbest', type=int, default=1,
+                   help="N lines 'score<TAB>hypothesis' per input line")
+    p.add_argument('--exact', action='store_true', help="decode a sentence until no live beam can "
+                   "beat its finished ones (slower); default: stop once `beam` hypotheses "
+                   "finished, as fairseq does")
+    p.add_argument('--early-stop', action='store_true', help=argparse.SUPPRESS)  # the default
+    p.add_argument('--max-tokens', type=int, default=4096, help="padded source tokens per batch")
+    p.add_argument('--average-last', type=int, default=0,
+                   help="average the newest N ckpt_STEP.pt first")
+    p.add_argument('--save-average', help="write the averaged checkpoint here")
+    p.add_argument('--device', help="cpu, cuda or cuda:N (default: cuda where there is one)")
+    p.add_argument('--compile', action='store_true', help="torch.compile the decoder with frozen "
+                   "weights: a long first batch (docs/serving.md)")
+    p.add_argument('--dtype', choices=['float32', 'bfloat16', 'float16'],
+                   help="autocast dtype (default: bfloat16 on a GPU that has it, else float32)")
+    p.add_argument('--ct2-compute-type', default='default',
+                   help="a CTranslate2 export's compute type")
+    p.add_argument('--ref', help="reference translations: print sacreBLEU and chrF to stderr")
+    p.add_argument('--paper-bleu', action='store_true', help="also the paper's tokenised BLEU")
+    return p
+
+
+def check_options(p, args):
+    width = 1 if args.greedy else args.beam
+    if args.beam < 1 or args.max_tokens < 1 or not 1 <= args.nbest <= width:
+        p.error("need beam >= 1, max-tokens >= 1 and 1 <= nbest <= beam (1 with --greedy)")
+    lenpen_ok = args.lenpen is None or 0 <= args.lenpen < math.inf
+    if not lenpen_ok or not 0 <= args.max_len_a < math.inf or args.max_len_b < 0:
+        p.error("--lenpen, --max-len-a and --max-len-b must be finite numbers of at least 0")
+    if args.paper_bleu and not args.ref:
+        p.error("--paper-bleu needs --ref")
+    if args.save_average and not args.average_last:
+        p.error("--save-average needs --average-last")
+    same_file = os.path.abspath(args.save_average or '') == os.path.abspath(args.output or '')
+    if args.save_average and same_file:
+        p.error("--save-average and --output name one file")
+
+
+def check_device(p, device, ct2):
+    if not re.fullmatch(r'cpu|cuda(:\d+)?', device):
+        p.error(f"--device {device}: expected cpu, cuda or cuda:N")
+    if device.startswith('cuda') and not ct2 and not torch.cuda.is_available():
+        p.error(f"--device {device}: no GPU available")
+
+
+def check_outputs(p, args):
+    # Before the model loads, so that a bad output fails at once.
+    inputs = [q for q in (args.input, args.ref, args.ckpt) if q and os.path.exists(q)]
+    run_folder = args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt)
+    inputs += checkpoint.checkpoints(run_folder)
+    for flag in ('output', 'save_average'):
+        path = getattr(args, flag)
+        if not path or not os.path.exists(path):
+            continue
+        if os.path.isdir(path) or any(os.path.samefile(path, q) for q in inputs):
+            option = '--' + flag.replace('_', '-')
+            p.error(f"{option} {path} is a folder or an input of this run")
+
+
+def save_average(model, ckpt, paths, path):
+    # The tokenizer goes in whole: a path that the checkpoints name may not resolve there.
+    keep = {k: ckpt[k] for k in ('model_cfg', 'step', 'config', 'data_dir') if k in ckpt}
+    keep['tokenizer'] = checkpoint.checkpoint_tokenizer(paths[-1], ckpt)
+    keep['averaged'] = [os.path.basename(q) for q in paths]
+    checkpoint.save_atomic({'model': model.state_dict(), **keep}, path)
+
+
+def load_model(args, ct2):
+    """-> (model, tokenizer, checkpoint dict; None for an export), averaged if --average-last."""
+    if ct2:
+        model, enc = export_ct2.load_ct2(args.ckpt, args.device, args.ct2_compute_type)
+        return model, enc, None
+    if not args.average_last:
+        return checkpoint.load_checkpoint(args.ckpt, args.device)
+    paths = checkpoint.newest_checkpoints(args.ckpt, args.average_last)
+    names = ', '.join(os.path.basename(q) for q in paths)
+    checkpoint.warn(f"averaging {len(paths)} checkpoint(s): {names}")
+    averaged = checkpoint.average_checkpoints(paths)
+    model, enc, ckpt = checkpoint.load_checkpoint(paths[-1], args.device, averaged)
+    if args.save_average:
+        save_average(model, ckpt, paths, args.save_average)
+    return model, enc, ckpt
+
+
+def autocast_dtype(args, ct2):
+    if ct2:
+        return None  # an export computes in its own compute type
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    if args.device.startswith('cuda'):
+        return getattr(torch, speed.fast_dtype('cuda'))
+    return torch.float32
+
+
 def write_translations(args, model, enc, lines, out, opts):
-    """-> translate_lines' stats, the best hypotheses, seconds; (None for an interactive session)."""
+    """-> translate_lines' stats, the best hypotheses, seconds; None when lines are typed at a
+    terminal (lines is None)."""
 
     def write(result):
         if args.nbest == 1:
             out.write(result + '\n')
             return result
-        result += [(float('-inf'), '')] * (args.nbest - len(result))  # always exactly N lines per input
+        result += [(float('-inf'), '')] * (args.nbest - len(result))  # exactly N lines per input
         out.write(''.join(f"{s:.4f}\t{t}\n" for s, t in result))
         return result[0][1]
 
@@ -180,114 +371,34 @@ def write_translations(args, model, enc, lines, out, opts):
         print(f"translate.py: {args.ckpt} loaded; type a sentence, Ctrl-D to quit", file=sys.stderr)
         with suppress(KeyboardInterrupt):
             for n, line in enumerate(data_prep.read_lines(None, errors='replace'), 1):
-                write(list(translate_lines(model, enc, [line], first_line=n, **opts))[0])
+                results = list(translate_lines(model, enc, [line], first_line=n, **opts))
+                write(results[0])
                 out.flush()
         return None
-    stats, hyps, t0 = {}, [], time.time()
+    stats = {}
+    hyps = []
+    t0 = time.time()
     for result in translate_lines(model, enc, lines, stats=stats, **opts):
         hyps.append(write(result))
         out.flush()  # each line is visible as soon as it and those before it are done
     return stats, hyps, max(time.time() - t0, 1e-9)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Translate a file or stdin with a trained checkpoint.")
-    p.add_argument('--ckpt', required=True,
-                   help="checkpoint file (with --average-last, a file or folder), or an export_ct2.py folder")
-    p.add_argument('--input', help="source text, one sentence per line (default: stdin)")
-    p.add_argument('--output', help="where the translations go (default: stdout)")
-    p.add_argument('--beam', type=int, default=4, help="beam size (the paper: 4)")
-    p.add_argument('--lenpen', type=float, help="GNMT's length penalty alpha: log P / ((5 + |Y|) / 6)^alpha, "
-                   "not fairseq's log P / |Y|^lenpen (default: the model's own, its config's bleu_lenpen)")
-    p.add_argument('--max-len-a', type=float, default=1.0,
-                   help="at most a * (source tokens + EOS) + b output tokens, EOS included (paper: 1, 50)")
-    p.add_argument('--max-len-b', type=int, default=50)
-    p.add_argument('--greedy', action='store_true', help="greedy decoding instead of beam search")
-    p.add_argument('--nbest', type=int, default=1, help="N lines 'score<TAB>hypothesis' per input line")
-    p.add_argument('--exact', action='store_true', help="decode a sentence until no live beam can beat its "
-                   "finished ones (slower); default: stop once `beam` hypotheses finished, as fairseq does")
-    p.add_argument('--early-stop', action='store_true', help=argparse.SUPPRESS)  # the default now
-    p.add_argument('--max-tokens', type=int, default=4096, help="padded source tokens per batch")
-    p.add_argument('--average-last', type=int, default=0, help="average the newest N ckpt_STEP.pt first")
-    p.add_argument('--save-average', help="write the averaged checkpoint here")
-    p.add_argument('--device', help="cpu, cuda or cuda:N (default: cuda where there is one)")
-    p.add_argument('--compile', action='store_true',
-                   help="torch.compile the decoder with frozen weights: a long first batch (docs/serving.md)")
-    p.add_argument('--dtype', choices=['float32', 'bfloat16', 'float16'],
-                   help="autocast dtype (default: bfloat16 on a GPU that has it, else float32)")
-    p.add_argument('--ct2-compute-type', default='default', help="a CTranslate2 export's compute type")
-    p.add_argument('--ref', help="reference translations: print sacreBLEU and chrF to stderr")
-    p.add_argument('--paper-bleu', action='store_true', help="also the paper's tokenised BLEU")
-    args = p.parse_args(argv)
-    sys.stdout.reconfigure(encoding='utf-8', newline='\n')
-    if args.beam < 1 or args.max_tokens < 1 or not 1 <= args.nbest <= (1 if args.greedy else args.beam):
-        p.error("need beam >= 1, max-tokens >= 1 and 1 <= nbest <= beam (1 with --greedy)")
-    if not (args.lenpen is None or 0 <= args.lenpen < math.inf) or not 0 <= args.max_len_a < math.inf \
-            or args.max_len_b < 0:
-        p.error("--lenpen, --max-len-a and --max-len-b must be finite numbers of at least 0")
-    if args.paper_bleu and not args.ref:
-        p.error("--paper-bleu needs --ref")
-    if args.save_average and not args.average_last:
-        p.error("--save-average needs --average-last")
-    if args.save_average and os.path.abspath(args.save_average) == os.path.abspath(args.output or ''):
-        p.error("--save-average and --output name one file")
-    ct2 = export_ct2.is_ct2_export(args.ckpt)
-    if ct2 and (args.average_last or args.dtype or args.compile):
-        p.error("--average-last, --dtype and --compile are for checkpoints: export the average")
-    args.device = args.device or ('cuda' if torch.cuda.is_available() else 'cpu')
-    if not re.fullmatch(r'cpu|cuda(:\d+)?', args.device):
-        p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
-    if args.device.startswith('cuda') and not ct2 and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: no GPU available")
-    interactive = args.input is None and sys.stdin.isatty()
-    if interactive and args.ref:
-        p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
-    inputs = [q for q in (args.input, args.ref, args.ckpt) if q and os.path.exists(q)]
-    inputs += checkpoint.checkpoints(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt))
-    for flag in ('output', 'save_average'):  # before the model loads: a bad output fails now
-        path = getattr(args, flag)
-        if path and os.path.exists(path) and (os.path.isdir(path) or any(os.path.samefile(path, q)
-                                                                          for q in inputs)):
-            p.error(f"--{flag.replace('_', '-')} {path} is a folder or an input of this run")
-    lines = None if interactive else list(data_prep.read_lines(args.input, errors='replace'))
-    refs = list(data_prep.read_lines(args.ref, errors='replace')) if args.ref else None
-    if refs is not None and lines is not None and len(refs) != len(lines):
-        fail(f"{args.ref} has {len(refs)} lines but {args.input or '<stdin>'} has {len(lines)}")
+def is_device(path):
+    # A device (/dev/null, /dev/stdout) or a FIFO is written as it is: a rename would replace it.
+    if path.startswith(('/dev/', '/proc/')):
+        return True
+    return os.path.exists(path) and not os.path.isfile(path)
 
-    if args.device == 'cpu':
-        speed.keep_freed_memory()
-    if args.device.startswith('cuda'):  # cuDNN attention plans anew for each shape (docs/performance.md)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    if ct2:
-        model, enc = export_ct2.load_ct2(args.ckpt, args.device, args.ct2_compute_type)
-    elif args.average_last:
-        paths = checkpoint.newest_checkpoints(args.ckpt, args.average_last)
-        checkpoint.warn(f"averaging {len(paths)} checkpoint(s): {', '.join(os.path.basename(q) for q in paths)}")
-        model, enc, ckpt = checkpoint.load_checkpoint(paths[-1], args.device, checkpoint.average_checkpoints(paths))
-        if args.save_average:  # the tokenizer embedded: a path the checkpoints name may not resolve there
-            keep = {k: ckpt[k] for k in ('model_cfg', 'step', 'config', 'data_dir') if k in ckpt}
-            keep.update(tokenizer=checkpoint.checkpoint_tokenizer(paths[-1], ckpt),
-                        averaged=[os.path.basename(q) for q in paths])
-            checkpoint.save_atomic({'model': model.state_dict(), **keep}, args.save_average)
-    else:
-        model, enc, ckpt = checkpoint.load_checkpoint(args.ckpt, args.device)
-    if args.compile:  # frozen weights are constants that inductor prepacks on a CPU, as packed_weights does
-        import torch._inductor.config as inductor
-        inductor.freezing = True
-        model.decode, model.output = torch.compile(model.decode, dynamic=True), torch.compile(model.output)
-    if args.lenpen is None:
-        args.lenpen = model.lenpen if ct2 else checkpoint.default_lenpen(ckpt)
-    dtype = None if ct2 else getattr(torch, args.dtype or (speed.fast_dtype('cuda') if
-                                                            args.device.startswith('cuda') else 'float32'))
-    opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                max_tokens=args.max_tokens, nbest=args.nbest, greedy=args.greedy, dtype=dtype,
-                exact=args.exact, pack=not args.compile)
-    # A file gets a temporary name until complete: a stopped run leaves no finished-looking file. A device
-    # (/dev/null, /dev/stdout) is written as it is: a rename would replace it.
-    real, tmp, out = args.output and os.path.realpath(args.output), None, sys.stdout
+
+def write_output(args, model, enc, lines, opts):
+    """write_translations to --output or stdout -> what it returns. A file has a temporary name
+    until it is complete: a stopped run leaves no finished-looking file."""
+    real = os.path.realpath(args.output) if args.output else None
+    out = sys.stdout
+    tmp = None
     try:
-        if real and (real.startswith(('/dev/', '/proc/'))
-                     or os.path.exists(real) and not os.path.isfile(real)):
+        if real and is_device(real):
             out = open(args.output, 'a', encoding='utf-8', newline='\n')
         elif real:
             tmp = checkpoint.temporary(real)
@@ -297,35 +408,88 @@ def main(argv=None):
             out.close()
         if tmp:
             os.replace(tmp, real)
+    except BrokenPipeError:  # the reader left: stopped quietly below, in __main__
+        raise
     except OSError as e:  # a full disk, a device that went away
-        if isinstance(e, BrokenPipeError):
-            raise
         fail(f"{args.output or 'standard output'}: {e.strerror}")
     finally:
         if tmp and os.path.exists(tmp):
             os.remove(tmp)
+    return done
+
+
+def summary(args, stats, seconds, precision):
+    n = stats['sentences']
+    search = 'greedy'
+    if not args.greedy:
+        search = f'beam {args.beam}, lenpen {args.lenpen:g}'
+    if args.exact and not args.greedy:
+        search += ', exact'
+    return (f"translate.py: {n} sentences in {seconds:.1f}s: {n / seconds:.1f} sentences/s, "
+            f"{stats['tgt_tokens'] / seconds:.0f} target tokens/s "
+            f"({args.device}, {precision}, {search})")
+
+
+def main(argv=None):
+    p = arg_parser()
+    args = p.parse_args(argv)
+    sys.stdout.reconfigure(encoding='utf-8', newline='\n')
+    check_options(p, args)
+    ct2 = export_ct2.is_ct2_export(args.ckpt)
+    if ct2 and (args.average_last or args.dtype or args.compile):
+        p.error("--average-last, --dtype and --compile are for checkpoints: export the average")
+    if not args.device:
+        args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    check_device(p, args.device, ct2)
+    interactive = args.input is None and sys.stdin.isatty()
+    if interactive and args.ref:
+        p.error("--ref scores a whole --input (or piped text), not sentences typed one at a time")
+    check_outputs(p, args)
+    lines = None
+    if not interactive:
+        lines = list(data_prep.read_lines(args.input, errors='replace'))
+    refs = None
+    if args.ref:
+        refs = list(data_prep.read_lines(args.ref, errors='replace'))
+    if refs is not None and lines is not None and len(refs) != len(lines):
+        fail(f"{args.ref} has {len(refs)} lines but {args.input or '<stdin>'} has {len(lines)}")
+
+    if args.device == 'cpu':
+        speed.keep_freed_memory()
+    if args.device.startswith('cuda'):
+        # cuDNN attention plans anew for each shape (docs/performance.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    model, enc, ckpt = load_model(args, ct2)
+    if args.compile:
+        # Frozen weights are constants that inductor prepacks on a CPU, as packed_weights does.
+        import torch._inductor.config as inductor
+        inductor.freezing = True
+        model.decode = torch.compile(model.decode, dynamic=True)
+        model.output = torch.compile(model.output)
+    if args.lenpen is None:
+        args.lenpen = model.lenpen if ct2 else checkpoint.default_lenpen(ckpt)
+    dtype = autocast_dtype(args, ct2)
+    opts = dict(beam=args.beam, alpha=args.lenpen, max_len_a=args.max_len_a,
+                max_len_b=args.max_len_b, max_tokens=args.max_tokens, nbest=args.nbest,
+                greedy=args.greedy, dtype=dtype, exact=args.exact, pack=not args.compile)
+    done = write_output(args, model, enc, lines, opts)
     if done is None:
         return
-    stats, hyps, dt = done
-    print(f"translate.py: {stats['sentences']} sentences in {dt:.1f}s: {stats['sentences'] / dt:.1f} "
-          f"sentences/s, {stats['tgt_tokens'] / dt:.0f} target tokens/s ({args.device}, "
-          f"{f'CTranslate2 {model.compute_type}' if ct2 else dtype}, "
-          f"{'greedy' if args.greedy else f'beam {args.beam}, lenpen {args.lenpen:g}'}"
-          f"{', exact' if args.exact and not args.greedy else ''})", file=sys.stderr)
+    stats, hyps, seconds = done
+    precision = f'CTranslate2 {model.compute_type}' if ct2 else dtype
+    print(summary(args, stats, seconds, precision), file=sys.stderr)
     if refs is not None and not hyps:
         checkpoint.warn(f"{args.input or '<stdin>'} is empty: nothing to score")
     elif refs is not None:
-        for name, metric in (('sacreBLEU', BLEU()), ('chrF', CHRF())):
-            print(f"{name}: {metric.corpus_score(hyps, [refs])}  ({metric.get_signature()})", file=sys.stderr)
-        if args.paper_bleu:
-            print(f"paper BLEU (13a-tokenised, compounds split): {paper_bleu(hyps, refs)}", file=sys.stderr)
+        print_scores(hyps, refs, args.paper_bleu)
 
 
 if __name__ == '__main__':
     try:
         main()
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        # Nothing more to flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     except KeyboardInterrupt:  # the output file, if any, is left as it was
         sys.exit("translate.py: interrupted")

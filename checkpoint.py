@@ -36,7 +36,7 @@ def make_writable(folder, option):
 
 
 def temporary(path):
-    """A new, empty file beside path with a name of its own (PATH.RANDOM.tmp), to be renamed to path."""
+    """A new, empty file beside path with a name of its own (PATH.RANDOM.tmp), to be renamed."""
     tmp = f'{path}.{os.urandom(4).hex()}.tmp'
     # 'x': never another's file; and as readable as the umask allows, as path will be.
     open(tmp, 'xb').close()
@@ -52,7 +52,7 @@ def atomic(path):
         with open(tmp, 'wb') as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())  # before the rename, or a power cut can leave path on unwritten blocks
+            os.fsync(f.fileno())  # before the rename: a power cut could leave unwritten blocks
         os.replace(tmp, path)
     except BaseException:
         os.remove(tmp)
@@ -86,7 +86,7 @@ def lock_folder(folder, busy=None):
 
 
 def locked(folder, doing):
-    """Keep other data_prep.py runs, which would delete or rename our temporary files, out of folder."""
+    """Keep other data_prep.py runs, which would delete or rename our temporary files, out."""
     stack = contextlib.ExitStack()
     busy = f'another data_prep.py is {doing} {folder}: waiting for it'
     stack.callback(os.close, lock_folder(folder, busy))
@@ -99,9 +99,12 @@ RUN_FILE = re.compile(r'log\.jsonl|(ckpt|state)\w*\.pt')
 held_locks = []  # open until the process ends
 
 
-def open_run(out_dir, init_from, overwrite, master):
-    """Make out_dir ready for a run: writable, held by this run alone (rank 0 takes the lock), and not
-    holding another run unless it is resumed or overwritten. -> the run files found in it."""
+def open_run(out_dir, init_from, overwrite, master, given, defaults):
+    """Make out_dir ready for a run: writable, held by this run alone (rank 0 takes the lock), and
+    not holding another run unless that run is resumed or overwritten. A run of the same settings
+    (given: the settings as this command gives them) goes on: a preempted job rerun with the same
+    command continues. -> init_from as this run takes it ('resume' when it goes on), and the run
+    files found in out_dir (to delete, when the run starts over)."""
     make_writable(out_dir, 'out_dir')
     if master:
         try:
@@ -110,11 +113,62 @@ def open_run(out_dir, init_from, overwrite, master):
             sys.exit(f"out_dir {out_dir} is in use by another train.py run: let it end, "
                      f"or use another --out_dir")
     run_files = [f for f in sorted(os.listdir(out_dir)) if RUN_FILE.fullmatch(f)]
-    if init_from != 'resume' and run_files and not overwrite:
-        sys.exit(f"out_dir {out_dir} already holds a run ({', '.join(run_files[:3])}, ...): "
+    start = init_from
+    if init_from == 'auto':
+        start = 'scratch'
+    if init_from == 'resume' or not run_files or overwrite:
+        return start, run_files
+    states = checkpoints(out_dir, 'state')
+    if init_from != 'scratch' and states:
+        differ = settings_differ(states[-1], given, defaults)
+        if not differ:
+            return 'resume', run_files
+        sys.exit(f"out_dir {out_dir} holds a run of other settings ({', '.join(differ[:3])}): "
                  f"continue it with --init_from=resume, use another --out_dir, "
                  f"or start over with --overwrite=True (deletes it)")
-    return run_files
+    if init_from != 'scratch' and run_files == ['log.jsonl']:
+        if master:  # a run stopped before its first state: nothing to go on from
+            print(f"out_dir {out_dir} holds only the log of a run that saved no state: "
+                  f"starting over")
+        return start, run_files
+    sys.exit(f"out_dir {out_dir} already holds a run ({', '.join(run_files[:3])}, ...): "
+             f"continue it with --init_from=resume, use another --out_dir, "
+             f"or start over with --overwrite=True (deletes it)")
+
+
+def settings_differ(path, given, defaults):
+    """The settings of a training state's run that differ from those given. A setting newer than
+    the state: its run had the default."""
+    state = torch.load(path, map_location='cpu', mmap=True, weights_only=True)
+    saved = state.get('given_config', state['config'])
+    differ = []
+    for key, value in given.items():
+        if key in ('init_from', 'overwrite', 'out_dir'):  # out_dir: the folder looked in
+            continue
+        was = saved.get(key, defaults.get(key))
+        if value != was:
+            differ.append(f"{key}={value!r} (the run's: {was!r})")
+    return differ
+
+
+def trim_log(out_dir, step):
+    """A resumed run logs the steps after its state again: the log keeps the records up to it."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        return
+    with open(path, encoding='utf-8') as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # the torn last line of a killed run
+            continue
+        if record.get('step', 0) <= step:
+            kept.append(line)
+    if len(kept) < len(lines):
+        with atomic(path) as f:
+            f.write(''.join(kept).encode('utf-8'))
 
 
 def remove_partial_saves(out_dir):
@@ -193,7 +247,8 @@ def check_resume(state, config, fine_tuned_from, train_split, out_dir):
                        f"{state['data_dir']!r})")
     if changed:
         sys.exit(f"init_from='resume' continues {out_dir} as it began, but these settings differ: "
-                 f"{', '.join(changed)}; drop them, or start anew with --init_from={out_dir}/ckpt.pt")
+                 f"{', '.join(changed)}; drop them, or start anew with "
+                 f"--init_from={out_dir}/ckpt.pt")
 
 
 def load_optimizer_state(optimizer, state, path):
@@ -201,8 +256,9 @@ def load_optimizer_state(optimizer, state, path):
     are not today's (a state saved before weight decay had one group for every parameter)."""
     saved_groups = state['optimizer']['param_groups']
     if len(saved_groups) != len(optimizer.param_groups):
-        sys.exit(f"{path} holds an optimizer of {len(saved_groups)} parameter group(s), this train.py "
-                 f"has {len(optimizer.param_groups)} (decay on matrices only): it cannot resume; "
+        sys.exit(f"{path} holds an optimizer of {len(saved_groups)} parameter group(s), "
+                 f"this train.py has {len(optimizer.param_groups)} (decay on matrices only): "
+                 f"it cannot resume; "
                  f"fine-tune from its weights instead, with --init_from={path}")
     optimizer.load_state_dict(state['optimizer'])
 
@@ -230,7 +286,8 @@ def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
              f"its newest ckpt_STEP.pt")
     if not os.path.isfile(path):
         fail(f"checkpoint {path} not found")
-    try:  # weights_only: our checkpoints hold only tensors and plain containers; loading runs no code
+    # weights_only: our checkpoints hold only tensors and plain containers: loading runs no code.
+    try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
         fail(f"cannot read checkpoint {path}: not a checkpoint, or a damaged one "

@@ -37,6 +37,7 @@ import torch
 
 import checkpoint
 import dataset
+import decode
 import model as M
 from checkpoint import fail
 
@@ -245,7 +246,7 @@ class CT2Model:
         # As model.py: never PAD, BOS or the ids past the tokenizer's (vocab_size rounds up).
         n_tokens = cfg.tokenizer_size or cfg.vocab_size
         never = [['<pad>'], ['<s>']] + [[t] for t in self.tokens[n_tokens:]]
-        limit = M.max_lengths(self, src, max_len_a, max_len_b).tolist()
+        limit = decode.max_lengths(self, src, max_len_a, max_len_b).tolist()
         # The export appends EOS itself (add_source_eos, as the fairseq converter sets it).
         rows = [[self.tokens[t] for t in row if t != cfg.pad_id][:-1] for row in src.tolist()]
         out = [None] * len(rows)
@@ -257,7 +258,7 @@ class CT2Model:
             for i, s in zip(short, scored):
                 score = sum(s.log_probs)
                 if beam > 1:
-                    score = score / M.length_penalty(1, alpha)
+                    score = score / decode.length_penalty(1, alpha)
                 out[i] = [([], score)]
         if beam == 1 or alpha != 0:
             groups = [todo]
@@ -319,7 +320,7 @@ class CT2Model:
                 ids.pop()
             # |Y| counts EOS, also where the cap cut the hypothesis off (model.py forces EOS there).
             if beam > 1:
-                logp = logp / M.length_penalty(len(ids) + 1, alpha)
+                logp = logp / decode.length_penalty(len(ids) + 1, alpha)
             hyps.append((ids, logp))
         return sorted(hyps, key=lambda h: -h[1])
 

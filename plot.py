@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import checkpoint
+import decode
 import model as M
 
 
@@ -343,7 +344,7 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
         # The model's own translation, token for token as it was decoded, by translate.py's search:
         # its default stopping rule, the checkpoint's length penalty.
         alpha = checkpoint.default_lenpen(saved)
-        tgt_tok = M.beam_search(model, src, beam=beam, alpha=alpha)[0][0][0]
+        tgt_tok = decode.beam_search(model, src, beam=beam, alpha=alpha)[0][0][0]
         tgt_text = enc.decode(tgt_tok)
         print(f"plot.py: translation: {tgt_text}")
     else:

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import decode
 import model as M
 
 PAD, BOS, EOS = 0, 1, 2
@@ -376,8 +377,8 @@ def test_beam_of_one_is_greedy():
     # exactly (with alpha > 0 beam 1 may rightly continue past greedy's EOS; see beam_search).
     m = tiny(vocab=12)
     src = pad_batch([[5, 6, 7, EOS], [3, 4, 5, 6, 7, 8, EOS], [9, EOS]])
-    greedy = M.greedy_decode(m, src, max_len_b=10)
-    beam = M.beam_search(m, src, beam=1, alpha=0.0, max_len_b=10)
+    greedy = decode.greedy_decode(m, src, max_len_b=10)
+    beam = decode.beam_search(m, src, beam=1, alpha=0.0, max_len_b=10)
     assert [g[0][0] for g in greedy] == [b[0][0] for b in beam]
     for g, b in zip(greedy, beam):
         assert g[0][1] == pytest.approx(b[0][1], abs=1e-4)
@@ -387,13 +388,13 @@ def test_beam_of_one_is_greedy():
 def test_beam_scores_sorted_and_equal_forward_log_prob(alpha):
     m = tiny(vocab=12)
     srcs = [[5, 6, 7, EOS], [3, 4, 5, 6, 7, 8, EOS], [9, EOS]]
-    out = M.beam_search(m, pad_batch(srcs), beam=4, alpha=alpha, max_len_b=8, nbest=4)
+    out = decode.beam_search(m, pad_batch(srcs), beam=4, alpha=alpha, max_len_b=8, nbest=4)
     for src, hyps in zip(srcs, out):
         assert len(hyps) == 4
         scores = [s for _, s in hyps]
         assert scores == sorted(scores, reverse=True)
         for hyp, score in hyps:
-            expected = seq_log_prob(m, src, hyp) / M.length_penalty(len(hyp) + 1, alpha)
+            expected = seq_log_prob(m, src, hyp) / decode.length_penalty(len(hyp) + 1, alpha)
             assert score == pytest.approx(expected, abs=1e-4)
 
 
@@ -403,10 +404,10 @@ def test_top_tokens_equal_topk():
     logp[:5, :20] = -math.inf
     logp[5:10, torch.arange(8) * 97 + 3] = torch.arange(8.0)  # the 8 best all in one column group
     for n in (1, 8, 97):
-        want, got = logp.topk(n, dim=1), M.top_tokens(logp, n)
+        want, got = logp.topk(n, dim=1), decode.top_tokens(logp, n)
         assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
     odd = logp[:, :99]  # V % 8 != 0
-    assert torch.equal(M.top_tokens(odd, 8)[1], odd.topk(8, dim=1).indices)
+    assert torch.equal(decode.top_tokens(odd, 8)[1], odd.topk(8, dim=1).indices)
 
 
 class Scripted(torch.nn.Module):
@@ -449,7 +450,7 @@ def test_candidates_match_a_sort_over_every_beam_and_token():
     alive[0, 1:] = -math.inf  # a first step: one live beam
     logp = F.log_softmax(torch.randn(B * k, V), -1)
     at_limit = torch.tensor([False, True, False])
-    top, beam, tok = M.candidates(alive, logp, at_limit, k, EOS)
+    top, beam, tok = decode.candidates(alive, logp, at_limit, k, EOS)
     full = (alive[:, :, None] + logp.view(B, k, V)).clone()
     full[1, :, [t for t in range(V) if t != EOS]] = -math.inf
     want, idx = full.view(B, -1).topk(2 * k, dim=1)
@@ -473,10 +474,10 @@ def test_exact_stopping_never_changes_the_nbest(monkeypatch):
     for alpha in (0.0, 0.6, 1.0):
         early = {}
         for n in (1, 4):
-            early[n] = M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=n, exact=True)
+            early[n] = decode.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=n, exact=True)
         with monkeypatch.context() as mp:
-            mp.setattr(M, 'can_stop', never_early)
-            full = M.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=4)
+            mp.setattr(decode, 'can_stop', never_early)
+            full = decode.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=4)
         for n in (1, 4):  # scores to float precision: the batch shrinks at other steps
             got = [[h for h, _ in hyps[:n]] for hyps in full]
             assert got == [[h for h, _ in hyps] for hyps in early[n]]
@@ -486,7 +487,7 @@ def test_exact_stopping_never_changes_the_nbest(monkeypatch):
     # before it.
     table = {(): {3: 0.6, EOS: 0.4}, (3,): {EOS: 0.9, 4: 0.1}}
     scripted = Scripted(table, {EOS: 0.99, 3: 0.005, 4: 0.003, 5: 0.002})
-    out = M.beam_search(scripted, torch.tensor([[3, EOS]]), beam=2, alpha=0.0, max_len_b=6,
+    out = decode.beam_search(scripted, torch.tensor([[3, EOS]]), beam=2, alpha=0.0, max_len_b=6,
                         exact=True)
     assert out[0][0][0] == [3]
 
@@ -502,9 +503,9 @@ def test_beam_search_stops_at_k_finished_hypotheses_unless_exact():
     }
     scripted = Scripted(table, {EOS: 0.99, 3: 0.005, 4: 0.003, 5: 0.002})
     src = torch.tensor([[3, EOS]])
-    exact = M.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6, exact=True)
+    exact = decode.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6, exact=True)
     assert exact[0][0][0] == [3, 5]
-    early = M.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6, nbest=2)[0]
+    early = decode.beam_search(scripted, src, beam=2, alpha=0.0, max_len_b=6, nbest=2)[0]
     assert [h for h, _ in early] == [[3], []]
 
 
@@ -525,11 +526,11 @@ def test_beam_never_keeps_an_eos_candidate_alive():
         for tok in hyp + [EOS]:
             logp += math.log(table.get(p, default)[tok])
             p += (tok,)
-        return logp / M.length_penalty(len(hyp) + 1, alpha)
+        return logp / decode.length_penalty(len(hyp) + 1, alpha)
 
     for alpha in (0.0, 0.6):
         src = torch.tensor([[3, EOS]])
-        hyps = M.beam_search(m, src, beam=2, alpha=alpha, max_len_b=6, nbest=2)[0]
+        hyps = decode.beam_search(m, src, beam=2, alpha=alpha, max_len_b=6, nbest=2)[0]
         for hyp, s in hyps:
             assert s == pytest.approx(score(hyp, alpha), abs=1e-6), (hyp, s)
         assert [4] not in [h for h, _ in hyps]
@@ -547,17 +548,17 @@ def test_ids_past_the_tokenizers_are_never_generated():
 
     m.output = favouring_output
     src = pad_batch([[5, 6, 7, EOS], [8, EOS]])
-    logp = M.next_log_probs(m, torch.full((2, 1), BOS), *m.encode(src), m.new_cache())
+    logp = decode.next_log_probs(m, torch.full((2, 1), BOS), *m.encode(src), m.new_cache())
     assert (logp[:, 20:] == -math.inf).all() and (logp[:, 3:20] > -math.inf).all()
-    for hyps in (M.greedy_decode(m, src), M.beam_search(m, src, nbest=4)):
+    for hyps in (decode.greedy_decode(m, src), decode.beam_search(m, src, nbest=4)):
         assert all(t < 20 for h in hyps for toks, _ in h for t in toks)
 
 
 def test_outputs_respect_max_length():
     m = tiny(vocab=12)
     src = pad_batch([[5, 6, 7, EOS], [9, EOS]])
-    beams = M.beam_search(m, src, beam=3, max_len_a=0, max_len_b=3, nbest=3)
-    for hyps in beams + M.greedy_decode(m, src, 0, 3):
+    beams = decode.beam_search(m, src, beam=3, max_len_a=0, max_len_b=3, nbest=3)
+    for hyps in beams + decode.greedy_decode(m, src, 0, 3):
         assert all(len(h) <= 2 for h, _ in hyps)  # 3 positions: at most 2 tokens and EOS
 
 
@@ -593,8 +594,8 @@ def test_tiny_model_learns_to_copy():
         sched.step()
     m.eval()
     seqs, src = batch(200, torch.Generator().manual_seed(123))
-    assert [h[0][0] for h in M.greedy_decode(m, src)] == seqs
-    assert [h[0][0] for h in M.beam_search(m, src, beam=4)] == seqs
+    assert [h[0][0] for h in decode.greedy_decode(m, src)] == seqs
+    assert [h[0][0] for h in decode.beam_search(m, src, beam=4)] == seqs
 
 
 def test_import_changes_no_global_setting():
@@ -628,5 +629,5 @@ def test_length_cap_is_int_of_a_times_source_plus_b():
     src = (torch.arange(1000)[None, :] < lengths[:, None]).long() * EOS  # row i: i + 1 tokens, PAD
     for a, b in [(0.7, 0), (1.3, 0), (1.3, 50), (1.0, 50), (2.6, 7)]:
         want = [max(1, int(a * n + b)) for n in lengths.tolist()]
-        assert M.max_lengths(m, src, a, b).tolist() == want
-    assert M.max_lengths(m, src[:1], 1e30, 0).item() == 4095
+        assert decode.max_lengths(m, src, a, b).tolist() == want
+    assert decode.max_lengths(m, src[:1], 1e30, 0).item() == 4095

@@ -13,6 +13,7 @@ import torch
 
 import data_prep
 import dataset
+import decode
 import model as M
 import plot
 
@@ -314,12 +315,12 @@ def test_attention_shows_a_control_character_token_escaped(tmp_path, checkpoint,
 def test_attention_of_its_own_translation_decodes_as_translate_py(
         tmp_path, checkpoint, monkeypatch):
     pytest.importorskip('matplotlib')
-    seen, search = [], M.beam_search
+    seen, search = [], decode.beam_search
 
     def beam_search(*a, **k):
         seen.append(k)
         return search(*a, **k)
-    monkeypatch.setattr(M, 'beam_search', beam_search)
+    monkeypatch.setattr(decode, 'beam_search', beam_search)
     # An untrained model's translation runs to the length limit: one small map keeps it quick.
     attention(checkpoint, tmp_path / 'a.png', '--src', 'a man', '--kinds', 'cross', '--heads', '0',
               '--beam', '2')

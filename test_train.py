@@ -5,6 +5,7 @@ changes. Functions of train.py that need no run (the configurator, the schedule)
 """
 
 import ast
+import glob
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -87,6 +89,9 @@ def toy_corpus(
 @pytest.fixture(scope='module')
 def data_dir(tmp_path_factory):
     return toy_corpus(tmp_path_factory.mktemp('toy'))
+
+
+TWO = ['--dropout=0.3', '--save_interval=3']  # the two-process runs'
 
 
 def free_port():
@@ -266,18 +271,27 @@ def test_master_weights_train_a_bf16_copy_as_float32_training_does(one, data_dir
     assert ((steps - steps.round()).abs() < 0.01).float().mean() > 0.99  # 0.997; the rest: |g| near eps
 
 
-def test_two_process_resume_is_exact_and_keeps_the_time_spent(data_dir, tmp_path):
-    common = ['--dropout=0.3', '--save_interval=3']
-    train(common + ['--max_steps=6'], tmp_path / 'straight', data_dir, nproc=2)
-    train(common + ['--max_steps=3'], tmp_path / 'split', data_dir, nproc=2)
+@pytest.fixture(scope='module')
+def two(data_dir, tmp_path_factory):
+    """6 steps of two processes with dropout, a state every 3: what the resumed, stopped, restarted
+    and two-node runs must end equal to."""
+    out = tmp_path_factory.mktemp('two') / 'two'
+    train(TWO + ['--max_steps=6'], out, data_dir, nproc=2)
+    return out
+
+
+def test_two_process_resume_is_exact_and_keeps_the_time_spent(two, data_dir, tmp_path):
+    train(TWO + ['--max_steps=3'], tmp_path / 'split', data_dir, nproc=2)
     state = torch.load(tmp_path / 'split' / 'state_0000003.pt', weights_only=False)
-    torch.save({**state, 'elapsed': 100.0}, tmp_path / 'split' / 'state_0000003.pt')  # as if it took 100 s
-    train(common + ['--max_steps=6', '--init_from=resume'], tmp_path / 'split', data_dir, nproc=2)
-    assert losses(tmp_path / 'split') == losses(tmp_path / 'straight')
-    assert_same_params(
-        params(tmp_path / 'split', 'ckpt_0000006.pt'), params(tmp_path / 'straight', 'ckpt_0000006.pt')
-    )
+    torch.save({**state, 'elapsed': 100.0}, tmp_path / 'split' / 'state_0000003.pt')  # as if 100 s
+    train(TWO + ['--max_steps=6', '--init_from=resume'], tmp_path / 'split', data_dir, nproc=2)
+    assert_same_run(tmp_path / 'split', two)
     assert torch.load(tmp_path / 'split' / 'state_0000006.pt', weights_only=False)['elapsed'] >= 100.0
+
+
+def assert_same_run(out, reference):
+    assert losses(out) == losses(reference)
+    assert_same_params(params(out, 'ckpt_0000006.pt'), params(reference, 'ckpt_0000006.pt'))
 
 
 def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(data_dir, tmp_path):
@@ -749,3 +763,116 @@ def test_a_state_saved_before_weight_decay_is_refused_in_one_line(run, data_dir,
                  '--bleu_interval=0'], out, data_dir, ok=False)
     assert 'holds an optimizer of 1 parameter group(s)' in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+# --- a run on a cluster: preempted, restarted, on two nodes ---------------------------------------
+
+STOPPER = '''
+import os, runpy, signal, sys, torch
+# Signals this process at update STOP_AT on rank STOP_RANK, in torchrun's first attempt only.
+rank = int(os.environ.get('RANK', 0))
+first_attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
+at, who, how = int(os.environ['STOP_AT']), int(os.environ['STOP_RANK']), os.environ['STOP_HOW']
+clip, n = torch.nn.utils.clip_grad_norm_, [0]
+def counted(*args, **kwargs):  # train.py calls it once per update
+    n[0] += 1
+    if n[0] == at and rank == who and first_attempt:
+        for name in how.split(','):
+            os.kill(os.getpid(), getattr(signal, name))
+    return clip(*args, **kwargs)
+torch.nn.utils.clip_grad_norm_ = counted
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.getcwd())  # the script lies elsewhere
+runpy.run_path('train.py', run_name='__main__')
+'''
+
+
+def stopped_run(args, out_dir, data_dir, how, at, rank=0, torchrun_flags=()):
+    """train.py under torchrun with 2 processes (or 1 with no flags), rank `rank` sent the signals
+    `how` at update `at` -> the finished process."""
+    script = out_dir.parent / f'stopper_{out_dir.name}.py'
+    script.write_text(STOPPER)
+    launcher = [sys.executable, str(script)]
+    if torchrun_flags:
+        launcher = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
+                    f'--master_port={free_port()}', *torchrun_flags, str(script)]
+    cmd = launcher + ['train.py'] + TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
+    env = dict(os.environ, OMP_NUM_THREADS='1', STOP_AT=str(at), STOP_RANK=str(rank), STOP_HOW=how)
+    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_the_same_command_continues_a_finished_run_and_keeps_its_log(run, data_dir, tmp_path):
+    out = copy_run(run, tmp_path)
+    res = train(['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0'], out,
+                data_dir)
+    assert 'resuming from' in res.stdout and 'state_0000006.pt' in res.stdout
+    assert losses(out) == losses(run[0])
+
+
+def test_sigterm_to_one_rank_saves_both_at_one_step_and_the_same_command_goes_on(two, data_dir,
+                                                                               tmp_path):
+    out = tmp_path / 'run'
+    res = stopped_run(TWO + ['--max_steps=6'], out, data_dir, 'SIGTERM', at=4, rank=1,
+                      torchrun_flags=['--max-restarts=0'])
+    assert res.returncode != 0 and 'SIGTERM' not in res.stdout
+    assert "stopped at step 4 with a training state" in res.stderr, res.stderr[:3000]
+    assert [os.path.basename(p) for p in checkpoint.checkpoints(str(out), 'state')] == [
+        'state_0000004.pt']
+    train(TWO + ['--max_steps=6'], out, data_dir, nproc=2)
+    assert_same_run(out, two)
+
+
+def test_a_second_signal_stops_at_once(data_dir, tmp_path):
+    res = stopped_run(['--max_steps=6', '--save_interval=3'], tmp_path / 'run', data_dir,
+                      'SIGINT,SIGINT', at=2)
+    assert res.returncode == 128 + 2 and 'Traceback' not in res.stderr
+    assert not checkpoint.checkpoints(str(tmp_path / 'run'), 'state')
+
+
+def test_torchrun_restarts_after_a_killed_worker_end_as_an_uninterrupted_run(two, data_dir,
+                                                                             tmp_path):
+    out = tmp_path / 'run'
+    res = stopped_run(TWO + ['--max_steps=6'], out, data_dir, 'SIGKILL', at=5, rank=1,
+                      torchrun_flags=['--max-restarts=1'])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert 'resuming from' in res.stdout and 'state_0000003.pt' in res.stdout
+    assert_same_run(out, two)
+
+
+def test_a_killed_worker_ends_the_run_at_once_and_the_same_command_goes_on(two, data_dir,
+                                                                          tmp_path):
+    # torchrun SIGTERMs the other worker: its save must not wait on the dead one.
+    out = tmp_path / 'run'
+    started = time.time()
+    res = stopped_run(TWO + ['--max_steps=6'], out, data_dir, 'SIGKILL', at=5, rank=1,
+                      torchrun_flags=['--max-restarts=0'])
+    assert res.returncode != 0 and time.time() - started < 60  # ddp_timeout_minutes is 60
+    assert 'another process of this run failed or left' in res.stderr, res.stderr[-3000:]
+    assert 'train.py", line' not in res.stderr  # torchrun's own traceback aside
+    for path in glob.glob(str(out / '*.pt')):  # whole files under real names
+        torch.load(path, weights_only=False)
+    train(TWO + ['--max_steps=6'], out, data_dir, nproc=2)
+    assert_same_run(out, two)
+
+
+def node(node_rank, port, out_dir, data_dir):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', f'--node_rank={node_rank}',
+           '--nproc_per_node=1', '--master_addr=127.0.0.1', f'--master_port={port}', 'train.py',
+           *TINY, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *TWO, '--max_steps=6']
+    return subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+
+
+def test_two_nodes_on_one_machine_train_as_two_processes_and_need_one_out_dir(two, data_dir,
+                                                                            tmp_path):
+    port = free_port()
+    nodes = [node(r, port, tmp_path / 'shared', data_dir) for r in (0, 1)]
+    for p in nodes:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    assert_same_run(tmp_path / 'shared', two)
+    port = free_port()
+    nodes = [node(r, port, tmp_path / f'own_{r}', data_dir) for r in (0, 1)]
+    for p in nodes:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode != 0 and 'is not the same folder on every node' in err, err[-3000:]

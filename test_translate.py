@@ -22,6 +22,7 @@ import torch
 import checkpoint
 import data_prep
 import dataset
+import decode
 import model as M
 import speed
 import translate as T
@@ -78,9 +79,9 @@ def own_decode(toy, line, greedy=False, nbest=1, exact=False):
     -> [(text, score)]."""
     src = torch.tensor([toy['enc'].encode_ordinary(line) + [toy['cfg'].eos_id]])
     if greedy:
-        hyps = M.greedy_decode(toy['model'], src, 1, 50)[0]
+        hyps = decode.greedy_decode(toy['model'], src, 1, 50)[0]
     else:
-        hyps = M.beam_search(toy['model'], src, 4, 0.6, 1, 50, nbest, exact)[0]
+        hyps = decode.beam_search(toy['model'], src, 4, 0.6, 1, 50, nbest, exact)[0]
     return [(toy['enc'].decode(t), s) for t, s in hyps]
 
 
@@ -144,13 +145,13 @@ def test_greedy_from_stdin_to_stdout_is_the_models_greedy_decode(toy):
 
 
 def test_translate_lines_streams_in_input_order_and_leaves_caller_state_alone(toy, monkeypatch):
-    model, real = toy['model'], M.greedy_decode
+    model, real = toy['model'], decode.greedy_decode
     seen = []  # the state each batch decodes in
 
     def greedy_decode(*a):
         seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled('cpu'), model.training))
         return real(*a)
-    monkeypatch.setattr(M, 'greedy_decode', greedy_decode)
+    monkeypatch.setattr(decode, 'greedy_decode', greedy_decode)
     lines = [' '.join(WORDS[:9])] + toy['lines']  # the longest first: decoded first
     gen = T.translate_lines(model.train(), toy['enc'], lines, greedy=True, max_tokens=30)
     hyps = [next(gen)]
@@ -210,7 +211,7 @@ def test_bad_input_or_output_gives_exactly_one_output_line_per_input_line(
     assert 'line 4:' in err and 'truncated' in err and 'line 5:' in err and 'UTF-8' in err
     # A model may well generate a line break; written out as is, it would shift every later line.
     fake = [(toy['enc'].encode_ordinary('a\nb\r\nc\u2028d\x0be'), -1.0)]
-    monkeypatch.setattr(M, 'beam_search', lambda model, src, *a: [fake] * len(src))
+    monkeypatch.setattr(decode, 'beam_search', lambda model, src, *a: [fake] * len(src))
     assert list(T.translate_lines(toy['model'], toy['enc'], ['alpha', ''])) == ['a b  c d e', '']
 
 
@@ -418,12 +419,12 @@ def patched(model):
 
 @needs_packing
 def test_packed_weights_decode_as_the_plain_model_and_are_removed_on_exit(toy, monkeypatch):
-    model, real, seen = toy['model'], M.beam_search, []
+    model, real, seen = toy['model'], decode.beam_search, []
 
     def beam_search(m, *a):
         seen.append(len(patched(m)))
         return real(m, *a)
-    monkeypatch.setattr(M, 'beam_search', beam_search)
+    monkeypatch.setattr(decode, 'beam_search', beam_search)
     packed = list(T.translate_lines(model, toy['enc'], toy['lines']))
     # Every batch took the packed path; then it is gone.
     assert seen and all(seen) and not patched(model)

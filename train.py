@@ -7,7 +7,6 @@ Settings below are defaults; a config file overrides them, then --key=value over
 $ python train.py config/multi30k.py --max_steps=2000 --dtype=float32
 """
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -24,7 +23,9 @@ from sacrebleu.metrics import BLEU
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
+import cluster
 import dataset
+import decode
 import model as M
 import speed
 from configurator import override
@@ -35,17 +36,18 @@ _t_process = time.time()  # '_': not a setting
 # I/O
 data_dir = 'data/multi30k_en_de'
 out_dir = 'out/multi30k_en_de'
-init_from = 'scratch'  # 'scratch', 'resume' (out_dir's newest state), or a checkpoint to fine-tune
-overwrite = False      # a new run into an out_dir that holds one: True deletes its checkpoints and log
+init_from = 'auto'     # 'auto': out_dir's run if it has these settings, else a new one; 'scratch';
+                       # 'resume' (out_dir's newest state); or a checkpoint to fine-tune
+overwrite = False      # True: a new run into a used out_dir deletes its checkpoints and log
 log_interval = 100     # steps
 eval_interval = 1000   # validation loss every N steps (0 = only at the end)
-bleu_interval = 0      # validation BLEU every N steps (0: at the end, -1: never); best in ckpt_best.pt
-bleu_beam = 4          # validation BLEU's beam and length penalty; the lenpen is also translate.py's
-bleu_lenpen = 0.6      # default (section 6.1)
+bleu_interval = 0      # validation BLEU every N steps (0: at the end, -1: never); ckpt_best.pt
+bleu_beam = 4          # validation BLEU's beam and length penalty (section 6.1); the
+bleu_lenpen = 0.6      # length penalty is also translate.py's default
 save_interval = 1000   # checkpoint every N steps ...
 save_minutes = 0.0     # ... and/or every N minutes (the paper: every 10 minutes)
 keep_last = 5          # weights-only ckpt_STEP.pt snapshots kept, for averaging
-keep_state = 1         # full training states state_STEP.pt kept (weights + Adam moments), for resuming
+keep_state = 1         # full training states state_STEP.pt kept (weights + Adam), for resuming
 average_last = 5       # ckpt.pt = average of the newest N (section 6.1: 5 for base, 20 for big)
 # model (Table 3, base)
 n_enc_layers = 6       # N
@@ -63,9 +65,9 @@ positions = 'sinusoidal'  # or 'learned': Table 3 row (E)
 max_tokens = 4096      # padded source or target tokens per GPU per micro-step
 update_freq = 1        # micro-steps accumulated per update: N GPUs ~ 1 GPU with update_freq N
 max_steps = 100000
-max_minutes = 0.0      # also stop after this much training time, resumed runs' included (0 = no limit)
+max_minutes = 0.0      # also stop after this much training time, resumes included (0: no limit)
 schedule = 'noam'      # 'noam': the paper's formula; 'inverse_sqrt': fairseq's; 'constant': flat
-lr = 5e-4              # peak learning rate of 'inverse_sqrt' and 'constant' (warmup to lr, then flat)
+lr = 5e-4              # peak learning rate of 'inverse_sqrt' and 'constant'
 lr_scale = 1.0         # multiplier on the 'noam' formula
 warmup = 4000
 cooldown = 0.0         # LR falls linearly to 0 over this last share of the run (steps or minutes)
@@ -87,7 +89,8 @@ max_bad_steps = 20     # consecutive non-finite updates before giving up
 ddp_timeout_minutes = 60.0  # how long a rank waits in a collective (NCCL's default, 10, is short)
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-config = override({k: globals()[k] for k in config_keys}, sys.argv[1:])
+defaults = {k: globals()[k] for k in config_keys}
+config = override(dict(defaults), sys.argv[1:])
 globals().update(config)
 
 RANGES = [  # each setting's range, checked before any work
@@ -111,13 +114,11 @@ for keys, ok, what in RANGES:
     for key in keys.split():
         if not ok(config[key]):
             sys.exit(f"{key} must be {what}, got {config[key]!r}")
+given_config = dict(config)  # as the command gives them: the same command continues its run
 
 # -----------------------------------------------------------------------------------------------
 # processes, device and precision
-ddp = 'RANK' in os.environ
-rank = int(os.environ.get('RANK', 0))
-world = int(os.environ.get('WORLD_SIZE', 1))
-master = rank == 0  # rank 0 speaks and writes for all
+master = int(os.environ.get('RANK', 0)) == 0  # rank 0 speaks and writes for all
 
 
 def log(*args, **kwargs):
@@ -135,24 +136,23 @@ if dtype == 'float16' and device_type == 'cpu':
 if dtype == 'auto':
     dtype = speed.fast_dtype(device_type)
 elif dtype == 'bfloat16' and speed.fast_dtype(device_type) != 'bfloat16':
-    log(f"warning: this {device_type} has no native bfloat16 matrix multiply: far slower than float32")
+    log(f"warning: this {device_type} has no native bfloat16 matrix multiply: "
+        f"far slower than float32")
 problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
                                checkpoint_activations, d_head or d_model // n_heads)
 if problem:
     sys.exit(problem)
-if ddp and device_type == 'cuda':
-    device = f"cuda:{os.environ['LOCAL_RANK']}"
-    torch.cuda.set_device(device)
-if ddp:  # device_id: NCCL connects each rank to its own GPU at once
-    device_id = torch.device(device) if device_type == 'cuda' else None
-    dist.init_process_group('nccl' if device_type == 'cuda' else 'gloo', device_id=device_id,
-                            timeout=datetime.timedelta(minutes=ddp_timeout_minutes))
+ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes)
 torch.manual_seed(seed + rank)
 speed.configure_backends(device_type, dtype, checkpoint_activations)
 # A CUDA graph casts the weights in its replays: autocast must not cache the casts.
 autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
                           cache_enabled=not cuda_graphs)
-run_files = checkpoint.open_run(out_dir, init_from, overwrite, master)
+checkpoint.make_writable(out_dir, 'out_dir')
+if ddp:
+    cluster.check_shared_out_dir(out_dir, rank, host_group)
+    sys.excepthook = cluster.one_line_when_a_rank_fails
+init_from, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
 # -----------------------------------------------------------------------------------------------
 # data: the token files data_prep.py writes
@@ -165,7 +165,7 @@ train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss 
 # -----------------------------------------------------------------------------------------------
 # model, optimizer, and the state to resume or fine-tune from
 state, init_path, fine_tuned_from = checkpoint.initial_state(init_from, out_dir)
-if state is None:  # the vocabulary rounded up to a multiple of 8: the output matmul fits tensor cores
+if state is None:  # the vocabulary rounded up to a multiple of 8, for the tensor cores
     model_args = {f.name: config[f.name] for f in fields(M.Config) if f.name in config}
     model_cfg = M.Config(**model_args, vocab_size=(meta['vocab_size'] + 7) // 8 * 8,
                          pad_id=PAD, bos_id=BOS, eos_id=EOS)
@@ -173,7 +173,7 @@ else:
     checkpoint.check_tokenizer_of_data(init_path, state, tokenizer, data_dir)
     doing = 'resuming' if init_from == 'resume' else 'fine-tuning'
     log(f"{doing} from {init_path} (step {state['step']})")
-    model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture, whatever the settings
+    model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture, not the settings'
 if init_from == 'resume':
     checkpoint.check_resume(state, config, fine_tuned_from, meta['splits']['train'], out_dir)
 # Dropout is a training setting (a resume keeps the run's); ids past the tokenizer's are never made.
@@ -211,15 +211,17 @@ if init_from == 'resume':
         log(f"resumed by {world} process(es), saved by {len(state['rng'])}: dropout is reseeded")
     if master:
         checkpoint.remove_partial_saves(out_dir)
+        checkpoint.trim_log(out_dir, step)
 del state
 
 
 def get_batch(data, ids, packed=False):
-    """-> src, tgt_in, the real target rows, their targets; pinned memory: the copy does not wait."""
+    """-> src, tgt_in, the real target rows, their targets; pinned: the copy does not wait."""
     batch = [torch.from_numpy(x) for x in dataset.collate(data, ids, PAD, BOS, EOS)]
     if packed:  # cuda_graphs: each side one row of a fixed size, and where its sentences lie
-        src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, max_tokens + graph_len, graph_len)
-        return [src, tgt_in, rows, batch[3], *sides]  # copied by the step, not the prefetching thread
+        size = max_tokens + graph_len
+        src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, size, graph_len)
+        return [src, tgt_in, rows, batch[3], *sides]  # copied by the step, not the prefetcher
     if device_type == 'cuda':
         batch = [x.pin_memory() for x in batch]
     return [x.to(device, non_blocking=True) for x in batch]
@@ -233,9 +235,9 @@ def epoch_plan(epoch):
     """The epoch's batches, the same on every rank: the seed and the epoch decide them."""
     plan = dataset.batch_plan(train_data, max_tokens, seed, epoch)
     if world * update_freq > len(plan):
-        sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, fewer than "
-                 f"the {world * update_freq} an update needs ({world} process(es) x update_freq "
-                 f"{update_freq})")
+        sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, "
+                 f"fewer than the {world * update_freq} an update needs ({world} process(es) "
+                 f"x update_freq {update_freq})")
     return plan
 
 
@@ -295,7 +297,7 @@ if master_weights:  # the copy is in dtype already
 def get_lr(step, elapsed=0.0):
     if schedule == 'noam':  # section 5.3: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
         rate = lr_scale * model_cfg.d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-    elif schedule == 'inverse_sqrt':  # fairseq's: linear warmup to lr, then lr * sqrt(warmup / step)
+    elif schedule == 'inverse_sqrt':  # fairseq's: warmup to lr, then lr * sqrt(warmup / step)
         rate = lr * min(step / warmup, (warmup / step) ** 0.5)
     else:  # constant: linear warmup to lr, then flat
         rate = lr * min(step / warmup, 1.0)
@@ -308,19 +310,10 @@ def get_lr(step, elapsed=0.0):
     return rate * min(1.0, max(0.0, (1.0 - done) / cooldown))
 
 
-def gather(obj):
-    """Every rank's obj, in rank order."""
-    if not ddp:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 @torch.no_grad()
 def validation_bleu():
-    """Beam search (translate.py's default rule) over every world-th validation source, batched as
-    translate.py does: longest first, up to 4096 padded tokens; empty or too long sources give ''."""
+    """Beam search (translate.py's default rule) over every world-th validation source, batched
+    as translate.py does: longest first, up to 4096 padded tokens; empty or too long ones: ''."""
     lengths = np.diff(valid_data[1])
     mine = [i for i in range(rank, len(valid_ref), world) if 0 < lengths[i] < model_cfg.max_len]
     sizes = lengths[mine] + 1
@@ -328,10 +321,11 @@ def validation_bleu():
     for batch in dataset.token_batches(sizes, np.argsort(-sizes, kind='stable'), 4096):
         ids = [mine[j] for j in batch]
         with autocast:
-            out = M.beam_search(raw_model, get_batch(valid_data, ids)[0], bleu_beam, bleu_lenpen)
+            src = get_batch(valid_data, ids)[0]
+            out = decode.beam_search(raw_model, src, bleu_beam, bleu_lenpen)
         for i, nbest in zip(ids, out):
             hyps[i] = enc.decode(nbest[0][0])
-    for share in gather(hyps):
+    for share in cluster.gather(hyps, ddp, world):
         hyps.update(share)
     hyps = [hyps.get(i, '') for i in range(len(valid_ref))]
     return BLEU().corpus_score(hyps, [valid_ref]).score
@@ -362,18 +356,19 @@ def evaluate(final=False):
             best_bleu = record['valid_bleu']
             save(os.path.join(out_dir, 'ckpt_best.pt'), valid_bleu=best_bleu)
     raw_model.train()
-    log(' | '.join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
+    words = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()]
+    log(' | '.join(words))
     log_record(record)
 
 
 def save(path, full=False, **extra):
     """Weights (averaging and translate.py read them), or with full a training state: every rank
     takes part, for the random generators; rank 0 writes."""
-    ckpt = {'model': raw_model.state_dict(), 'model_cfg': asdict(model_cfg), 'tokenizer': tokenizer,
-            'step': step, 'config': config, 'data_dir': data_dir, 'fine_tuned_from': fine_tuned_from,
-            **extra}
+    ckpt = {'model': raw_model.state_dict(), 'model_cfg': asdict(model_cfg),
+            'tokenizer': tokenizer, 'step': step, 'config': config, 'data_dir': data_dir,
+            'fine_tuned_from': fine_tuned_from, 'given_config': given_config, **extra}
     if full:
-        rng = gather(checkpoint.rng_state(device_type))
+        rng = cluster.gather(checkpoint.rng_state(device_type), ddp, world)
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch,
                     rng=rng, next_batch=batch_idx, best_bleu=best_bleu, elapsed=clock,
                     train_split=meta['splits']['train'])
@@ -431,6 +426,14 @@ def agree_at_log_step():
     return slowest.item()
 
 
+def leave(status):
+    """Python's shutdown takes a second (torch's objects freed one by one), and under DDP a Gloo
+    thread that still releases the last collective's tensors aborts it: leave at once."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if init_from == 'resume' and master:  # killed between a state and its snapshot
     snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
     if not os.path.exists(snapshot):
@@ -449,9 +452,12 @@ t_last = time.time()
 clock = elapsed
 last_save = elapsed
 tokens_since = 0
-sums = {k: torch.zeros((), device=device) for k in ('loss', 'nll', 'bad_run', 'worst_run', 'skipped')}
+sums = {}
+for key in ('loss', 'nll', 'bad_run', 'worst_run', 'skipped'):
+    sums[key] = torch.zeros((), device=device)
 if max_minutes > 0 and elapsed > max_minutes * 60:  # resumed with the time used up
     max_steps = step
+cluster.catch_stop_signals()
 while step < max_steps:
     epoch, batch_idx, ntok_update, micro_batches = next(batches)
     step += 1
@@ -462,8 +468,9 @@ while step < max_steps:
         for micro, (src, tgt_in, rows, targets, *sides) in enumerate(micro_batches):
             if ddp and not cuda_graphs:  # all-reduce gradients only on the last micro-step
                 model.require_backward_grad_sync = micro == update_freq - 1
-            if cuda_graphs:  # copied here: while a graph is captured, no other thread may use the GPU
-                src, tgt_in, targets, *sides = [x.to(device) for x in (src, tgt_in, targets, *sides)]
+            if cuda_graphs:  # copied here: no other thread may use the GPU during a capture
+                tensors = [x.to(device) for x in [src, tgt_in, targets, *sides]]
+                src, tgt_in, targets, *sides = tensors
             with step_context:
                 if cuda_graphs:
                     x = graphed(src, tgt_in, rows, sides)
@@ -477,7 +484,8 @@ while step < max_steps:
             sums['nll'] += nll
     except torch.cuda.OutOfMemoryError:
         sys.exit(f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise "
-                 f"update_freq to keep the same tokens per update, or recompute with checkpoint_activations=True")
+                 f"update_freq to keep the same tokens per update, or recompute with "
+                 f"checkpoint_activations=True")
     if ddp and cuda_graphs:  # DDP's hooks see no graph replay
         speed.all_reduce_grads(train_model)
     if master_weights:  # the float32 model takes the copy's gradients
@@ -521,9 +529,14 @@ while step < max_steps:
         evaluate()
     save_due = save_interval > 0 and step % save_interval == 0
     save_due = save_due or (save_minutes > 0 and clock - last_save > save_minutes * 60)
-    if save_due or step == max_steps:
+    stop_asked = cluster.stop_asked(ddp, host_group)  # SIGTERM or SIGINT: save, and end
+    if save_due or step == max_steps or stop_asked:
         save_snapshots()
         last_save = clock
+    if stop_asked:
+        log(f"{cluster.stop['signal']}: stopped at step {step} with a training state in {out_dir}; "
+            f"the same command continues the run", file=sys.stderr, flush=True)
+        leave(1)  # nonzero: the scheduler requeues the job
     if step % log_interval == 0:  # evaluation and saving do not count against tokens/s
         t_last = time.time()
 
@@ -540,8 +553,4 @@ if best_bleu >= 0:
 log(done)
 if ddp:
     dist.barrier()  # no rank leaves while another still uses the process group
-# Python's shutdown takes a second (torch's objects freed one by one), and under DDP a Gloo thread
-# that still releases the last collective's tensors aborts it: leave at once.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave(0)

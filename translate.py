@@ -28,6 +28,7 @@ import checkpoint
 import data_prep
 import dataset
 import export_ct2
+import decode
 import model as M
 import speed
 from checkpoint import fail
@@ -192,9 +193,9 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                     if ct2:
                         out = model.decode(src, width, alpha, max_len_a, max_len_b, nbest)
                     elif greedy:
-                        out = M.greedy_decode(model, src, max_len_a, max_len_b)
+                        out = decode.greedy_decode(model, src, max_len_a, max_len_b)
                     else:
-                        out = M.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest,
+                        out = decode.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest,
                                             exact)
                 warn_at_limit(cfg, srcs, batch, out, max_len_a, max_len_b, first_line)
                 done.update(zip(batch, out))

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, 'tests')]
 
 import data_prep  # noqa: E402
+import decode  # noqa: E402
 import model as M  # noqa: E402
 from test_train import free_port, records, toy_corpus, train  # noqa: E402
 
@@ -93,13 +94,13 @@ def test_cuda_forward_and_decoding_match_the_cpu_in_float32(strict_fp32):
     assert (out - ref).norm() / ref.norm() < 1e-5
 
     def greedy(m, s):
-        return M.greedy_decode(m, s, 1.0, 5)
+        return decode.greedy_decode(m, s, 1.0, 5)
 
     def beam(m, s):
-        return M.beam_search(m, s, 4, 0.6, 1.0, 5)
-    for decode in (greedy, beam):
-        a = decode(cpu, src)
-        b = decode(gpu, src.cuda())
+        return decode.beam_search(m, s, 4, 0.6, 1.0, 5)
+    for decoder in (greedy, beam):
+        a = decoder(cpu, src)
+        b = decoder(gpu, src.cuda())
         assert [[h[0] for h in hyps] for hyps in a] == [[h[0] for h in hyps] for hyps in b]
         scores_a = [h[1] for hyps in a for h in hyps]
         scores_b = [h[1] for hyps in b for h in hyps]

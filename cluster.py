@@ -1,0 +1,102 @@
+"""
+What train.py needs to run as several processes and nodes under torchrun, and to stop and go on as
+a cluster has it: the process group, values every rank agrees on, a check that every node sees the
+same out_dir, and the signals a scheduler sends before it preempts a job (docs/training.md).
+"""
+import datetime
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+stop = {'signal': None}  # the name of the first stop signal this process received
+
+
+def start(device, ddp_timeout_minutes):
+    """-> ddp, rank, world, device of this process (a GPU of its own under torchrun), and a gloo
+    group for the small agreements on the host (the default group where that is gloo already)."""
+    if 'RANK' not in os.environ:
+        return False, 0, 1, device, None
+    rank = int(os.environ['RANK'])
+    world = int(os.environ['WORLD_SIZE'])
+    timeout = datetime.timedelta(minutes=ddp_timeout_minutes)
+    if device.startswith('cuda'):
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+        # device_id: NCCL connects each rank to its own GPU at once.
+        dist.init_process_group('nccl', timeout=timeout, device_id=torch.device(device))
+        host_group = dist.new_group(backend='gloo', timeout=timeout)
+    else:
+        dist.init_process_group('gloo', timeout=timeout)
+        host_group = None
+    return True, rank, world, device, host_group
+
+
+def gather(obj, ddp, world, group=None):
+    """Every rank's obj, in rank order."""
+    if not ddp:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def check_shared_out_dir(out_dir, rank, group):
+    """Every node must write into one out_dir (fairseq's save_dir: a filesystem every node sees),
+    or the ranks would decide on different files and rank 0's checkpoints would hold other ranks'
+    steps. Rank 0 leaves a file of a new name there; every rank must see it."""
+    name = [None]
+    if rank == 0:
+        name = [f'.shared_{os.urandom(8).hex()}']
+        open(os.path.join(out_dir, name[0]), 'w').close()
+    dist.broadcast_object_list(name, src=0, group=group)
+    seen = torch.tensor([int(os.path.exists(os.path.join(out_dir, name[0])))])
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
+    dist.barrier(group=group)
+    if rank == 0:
+        os.remove(os.path.join(out_dir, name[0]))
+    if seen.item() == 0:
+        sys.exit(f"out_dir {out_dir} is not the same folder on every node of this run: give an "
+                 f"out_dir on a filesystem that every node sees")
+
+
+def catch_stop_signals():
+    """SIGTERM (what SLURM and Kubernetes send before they kill a preempted job) and SIGINT (Ctrl-C)
+    ask the run to stop after the current update, with a training state saved; a second signal
+    stops it at once."""
+    def ask_to_stop(signum, frame):
+        if stop['signal'] is not None:
+            os._exit(128 + signum)
+        stop['signal'] = signal.Signals(signum).name
+
+    signal.signal(signal.SIGTERM, ask_to_stop)
+    signal.signal(signal.SIGINT, ask_to_stop)
+
+
+def stop_asked(ddp, group):
+    """Whether a stop signal reached any rank: every rank agrees on the same step. The flag is a
+    host tensor over gloo: no wait for the GPU, and a peer that died makes this raise at once."""
+    asked = stop['signal'] is not None
+    if not ddp:
+        return asked
+    flag = torch.tensor([int(asked)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() and stop['signal'] is None:
+        stop['signal'] = 'a stop signal to another rank'
+    return bool(flag.item())
+
+
+def one_line_when_a_rank_fails(kind, error, traceback):
+    """Under torchrun, a rank that died or left ends the others' next collective with an error:
+    one line, not a traceback (the saves are atomic, so nothing is half-written)."""
+    message = str(error)
+    lost = isinstance(error, dist.DistError) or 'gloo' in message or 'NCCL' in message
+    if not isinstance(error, RuntimeError) or not lost:
+        sys.__excepthook__(kind, error, traceback)
+        return
+    first_line = message.strip().splitlines()[0][:300]
+    print(f"train.py: another process of this run failed or left, so this one ends ({first_line}); "
+          f"the same command continues from out_dir's newest state", file=sys.stderr, flush=True)
+    os._exit(1)  # at once: a Gloo thread may still hold the failed collective

@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 stop = {'signal': None}  # the name of the first stop signal this process received
 
@@ -32,6 +33,18 @@ def start(device, ddp_timeout_minutes):
         dist.init_process_group('gloo', timeout=timeout)
         host_group = None
     return True, rank, world, device, host_group
+
+
+def wrap_ddp(model, device_type):
+    """DDP averages the gradients over the ranks as backward computes them, bucket by bucket."""
+    # The sinusoids are a constant buffer: nothing to sync in forward.
+    no_buffer_sync = {'forward_sync_buffers': False}
+    if torch.__version__ < (2, 13):
+        no_buffer_sync = {'broadcast_buffers': False}
+    device_ids = None
+    if device_type == 'cuda':
+        device_ids = [torch.cuda.current_device()]
+    return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
 
 
 def gather(obj, ddp, world, group=None):

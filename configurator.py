@@ -4,6 +4,7 @@ config files and --key=value flags override them.
 """
 import ast
 import os
+import re
 import sys
 import traceback
 import types
@@ -62,3 +63,33 @@ def run_file(path, settings):
         line = lines[-1] if lines else '?'
         sys.exit(f"config file {path}, line {line}: {type(e).__name__}: {e}")
     return scope
+
+
+# train.py's settings and the values each may take, checked before any work.
+RANGES = [
+    ('max_tokens update_freq max_steps warmup log_interval keep_last keep_state average_last '
+     'bleu_beam n_enc_layers n_dec_layers d_model d_ff n_heads max_len max_bad_steps',
+     lambda v: v >= 1, '>= 1'),
+    ('dropout attn_dropout label_smoothing beta1 beta2', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('lr lr_scale adam_eps weight_decay clip_grad max_minutes save_minutes eval_interval '
+     'save_interval bleu_lenpen seed d_head', lambda v: v >= 0, '>= 0'),
+    ('bleu_interval', lambda v: v >= -1, '>= -1 (-1: never)'),
+    ('cooldown', lambda v: 0 <= v <= 1, 'in [0, 1]'),
+    ('schedule', lambda v: v in ('noam', 'inverse_sqrt', 'constant'),
+     'noam, inverse_sqrt or constant'),
+    ('positions', lambda v: v in ('sinusoidal', 'learned'), "'sinusoidal' or 'learned'"),
+    ('dtype', lambda v: v in ('auto', 'float32', 'bfloat16', 'float16'),
+     'auto/float32/bfloat16/float16'),
+    ('device', lambda v: re.fullmatch(r'auto|cpu|cuda(:\d+)?', v), 'auto, cpu, cuda or cuda:N'),
+    ('init_from', lambda v: v != '', "'auto', 'scratch', 'resume' or a checkpoint"),
+]
+
+
+def check_ranges(config):
+    """Each of train.py's settings within its range, or one line naming it."""
+    for keys, ok, what in RANGES:
+        for key in keys.split():
+            if not ok(config[key]):
+                sys.exit(f"{key} must be {what}, got {config[key]!r}")
+    if not config['d_head'] and config['d_model'] % config['n_heads']:
+        sys.exit(f"n_heads must be a divisor of d_model, or d_head set, got {config['n_heads']!r}")

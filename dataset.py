@@ -6,6 +6,7 @@ import base64
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tiktoken
@@ -187,3 +188,13 @@ def collate(data, ids, pad_id, bos_id, eos_id):
     tgt[rows, n_tgt] = eos_id
     real = np.flatnonzero(np.arange(tgt.shape[1]) <= n_tgt[:, None])  # the loss sees those alone
     return src, tgt_in, real, tgt.reshape(-1)[real]
+
+
+def prefetched(items):
+    """The next item is made by a background thread while this one is used (a training step)."""
+    with ThreadPoolExecutor(1) as pool:
+        job = pool.submit(next, items)
+        while True:
+            item = job.result()
+            job = pool.submit(next, items)
+            yield item

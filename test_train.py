@@ -577,9 +577,8 @@ def test_compiled_training_does_not_recompile_per_batch_shape(data_dir, tmp_path
 
 def test_batches_are_prefetched_in_order_by_a_background_thread():
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
-    prefetched = load_function('prefetched', ThreadPoolExecutor=ThreadPoolExecutor)
+    prefetched = dataset.prefetched
     made, last = [], threading.Event()
 
     def items():

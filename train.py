@@ -10,25 +10,22 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from sacrebleu.metrics import BLEU
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import cluster
+import configurator
 import dataset
 import decode
 import model as M
 import speed
-from configurator import override
 
 _t_process = time.time()  # '_': not a setting
 
@@ -90,30 +87,10 @@ ddp_timeout_minutes = 60.0  # how long a rank waits in a collective (NCCL's defa
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
-config = override(dict(defaults), sys.argv[1:])
+config = configurator.override(dict(defaults), sys.argv[1:])
 globals().update(config)
 
-RANGES = [  # each setting's range, checked before any work
-    ('max_tokens update_freq max_steps warmup log_interval keep_last keep_state average_last '
-     'bleu_beam n_enc_layers n_dec_layers d_model d_ff n_heads max_len max_bad_steps',
-     lambda v: v >= 1, '>= 1'),
-    ('dropout attn_dropout label_smoothing beta1 beta2', lambda v: 0 <= v < 1, 'in [0, 1)'),
-    ('lr lr_scale adam_eps weight_decay clip_grad max_minutes save_minutes eval_interval '
-     'save_interval bleu_lenpen seed d_head', lambda v: v >= 0, '>= 0'),
-    ('bleu_interval', lambda v: v >= -1, '>= -1 (-1: never)'),
-    ('cooldown', lambda v: 0 <= v <= 1, 'in [0, 1]'),
-    ('schedule', lambda v: v in ('noam', 'inverse_sqrt', 'constant'),
-     'noam, inverse_sqrt or constant'),
-    ('positions', lambda v: v in ('sinusoidal', 'learned'), "'sinusoidal' or 'learned'"),
-    ('dtype', lambda v: v in ('auto', 'float32', 'bfloat16', 'float16'),
-     'auto/float32/bfloat16/float16'),
-    ('device', lambda v: re.fullmatch(r'auto|cpu|cuda(:\d+)?', v), 'auto, cpu, cuda or cuda:N'),
-    ('n_heads', lambda v: d_head or d_model % v == 0, 'a divisor of d_model, or d_head set'),
-]
-for keys, ok, what in RANGES:
-    for key in keys.split():
-        if not ok(config[key]):
-            sys.exit(f"{key} must be {what}, got {config[key]!r}")
+configurator.check_ranges(config)
 given_config = dict(config)  # as the command gives them: the same command continues its run
 
 # -----------------------------------------------------------------------------------------------
@@ -258,17 +235,7 @@ def updates(epoch, batch_idx, plan):
         yield epoch, batch_idx, ntok, micro_batches
 
 
-def prefetched(items):
-    """The next item is made by a background thread while this one's step runs."""
-    with ThreadPoolExecutor(1) as pool:
-        job = pool.submit(next, items)
-        while True:
-            item = job.result()
-            job = pool.submit(next, items)
-            yield item
-
-
-batches = prefetched(updates(epoch, batch_idx, epoch_plan(epoch)))
+batches = dataset.prefetched(updates(epoch, batch_idx, epoch_plan(epoch)))
 if init_from != 'resume' and run_files:  # --overwrite: only now that every input has loaded
     if ddp:
         dist.barrier()  # every rank has listed the old run
@@ -281,12 +248,8 @@ if init_from != 'resume' and run_files:  # --overwrite: only now that every inpu
 train_model, chunk_fn = speed.training_model(raw_model, ddp, master_weights, dtype,
                                               checkpoint_activations, compile)
 model = train_model
-if ddp and not cuda_graphs:  # the sinusoids are a constant buffer: nothing to sync in forward
-    no_buffer_sync = {'forward_sync_buffers': False}
-    if torch.__version__ < (2, 13):
-        no_buffer_sync = {'broadcast_buffers': False}
-    device_ids = [torch.cuda.current_device()] if device_type == 'cuda' else None
-    model = DDP(train_model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
+if ddp and not cuda_graphs:  # CUDA graphs all-reduce on their own
+    model = cluster.wrap_ddp(train_model, device_type)
 if cuda_graphs:
     graphed = speed.Graphed(train_model)
 step_context = autocast

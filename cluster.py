@@ -23,16 +23,29 @@ def start(device, ddp_timeout_minutes):
     rank = int(os.environ['RANK'])
     world = int(os.environ['WORLD_SIZE'])
     timeout = datetime.timedelta(minutes=ddp_timeout_minutes)
+    store = attempt_store(timeout)
     if device.startswith('cuda'):
         device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(device)
         # device_id: NCCL connects each rank to its own GPU at once.
-        dist.init_process_group('nccl', timeout=timeout, device_id=torch.device(device))
+        dist.init_process_group('nccl', timeout=timeout, device_id=torch.device(device),
+                                store=store, rank=rank, world_size=world)
         host_group = dist.new_group(backend='gloo', timeout=timeout)
     else:
-        dist.init_process_group('gloo', timeout=timeout)
+        dist.init_process_group('gloo', timeout=timeout, store=store, rank=rank, world_size=world)
         host_group = None
     return True, rank, world, device, host_group
+
+
+def attempt_store(timeout):
+    """Under torchrun, its store with keys of this attempt alone: after a restart the process
+    group would otherwise read a dead worker's address, left by the attempt before (a restarted
+    rank then failed to connect, 1 run in 5 here). None elsewhere: the process group's own."""
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def wrap_ddp(model, device_type):

@@ -2,12 +2,16 @@
 another test file imports is made again for that file)."""
 import os
 import random
+import sys
 from dataclasses import asdict
 
 import pytest
 import torch
 
 import data_prep
+
+# The tests of the scripts lie in tests/ and import each other's helpers.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tests'))
 
 
 @pytest.fixture(scope='session')

@@ -86,7 +86,8 @@ def cpu_dropout(model):
     def forward(self, x):
         if not self.training or self.p == 0:
             return x
-        keep = torch.rand_like(x, dtype=torch.float32) >= self.p  # float32 draws: bf16 would round p
+        # The draws in float32: bf16 would round p.
+        keep = torch.rand_like(x, dtype=torch.float32) >= self.p
         return x * keep.to(x.dtype).mul_(1.0 / (1.0 - self.p))
 
     for m in model.modules():
@@ -95,8 +96,8 @@ def cpu_dropout(model):
 
 
 def training_model(model, ddp, master_weights, dtype, checkpoint_activations, compile):
-    """-> the model the steps run on, and the loss's chunk function. Under DDP every rank first takes
-    rank 0's weights (each drew its own), so a master-weights copy is the same on every rank too."""
+    """-> the model the steps run on, and the loss's chunk function. Under DDP every rank first
+    takes rank 0's weights (each drew its own), so a master-weights copy is the same everywhere."""
     if ddp:
         broadcast_weights(model)
     train_model = training_copy(model, master_weights, dtype)

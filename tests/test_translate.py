@@ -27,7 +27,7 @@ import model as M
 import speed
 import translate as T
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the root: the scripts
 WORDS = 'alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omicron'.split()
 # Two shared cores: one thread per process is faster than oversubscribed ones, in the fixture and
 # the scripts.

@@ -22,7 +22,7 @@ import checkpoint
 import data_prep
 import dataset
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the root: the scripts
 M30K_EN_DE = ['multi30k', '--src', 'en', '--tgt', 'de']
 WMT14_EN_DE = ['wmt14', '--src', 'en', '--tgt', 'de']
 

@@ -25,7 +25,7 @@ import dataset
 import speed
 import translate
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the root: the scripts
 TINY = [
     '--n_enc_layers=1',
     '--n_dec_layers=1',
@@ -792,9 +792,10 @@ def stopped_run(args, out_dir, data_dir, how, at, rank=0, torchrun_flags=()):
     script = out_dir.parent / f'stopper_{out_dir.name}.py'
     script.write_text(STOPPER)
     launcher = [sys.executable, str(script)]
-    if torchrun_flags:
+    if torchrun_flags:  # a rendezvous of its own per attempt: no address of a killed worker
         launcher = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=2',
-                    f'--master_port={free_port()}', *torchrun_flags, str(script)]
+                    '--rdzv-backend=c10d', f'--rdzv-endpoint=127.0.0.1:{free_port()}',
+                    *torchrun_flags, str(script)]
     cmd = launcher + ['train.py'] + TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
     env = dict(os.environ, OMP_NUM_THREADS='1', STOP_AT=str(at), STOP_RANK=str(rank), STOP_HOW=how)
     return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=env, timeout=300)

@@ -85,14 +85,6 @@ def lock_folder(folder, busy=None):
     return fd
 
 
-def locked(folder, doing):
-    """Keep other data_prep.py runs, which would delete or rename our temporary files, out."""
-    stack = contextlib.ExitStack()
-    busy = f'another data_prep.py is {doing} {folder}: waiting for it'
-    stack.callback(os.close, lock_folder(folder, busy))
-    return stack
-
-
 # --- the run folder of train.py ------------------------------------------------------------------
 
 RUN_FILE = re.compile(r'log\.jsonl|(ckpt|state)\w*\.pt')
@@ -105,7 +97,6 @@ def open_run(out_dir, init_from, overwrite, master, given, defaults):
     (given: the settings as this command gives them) goes on: a preempted job rerun with the same
     command continues. -> init_from as this run takes it ('resume' when it goes on), and the run
     files found in out_dir (to delete, when the run starts over)."""
-    make_writable(out_dir, 'out_dir')
     if master:
         try:
             held_locks.append(lock_folder(out_dir))
@@ -171,6 +162,15 @@ def trim_log(out_dir, step):
             f.write(''.join(kept).encode('utf-8'))
 
 
+def remove_run(out_dir, run_files, ddp, master):
+    """--overwrite: the old run's files go, once every rank has listed them."""
+    if ddp:
+        torch.distributed.barrier()
+    if master:
+        for f in run_files:
+            os.remove(os.path.join(out_dir, f))
+
+
 def remove_partial_saves(out_dir):
     """The temporary files of a save that was killed midway."""
     for f in glob.glob(os.path.join(glob.escape(out_dir), '*.pt.*.tmp')):
@@ -192,11 +192,10 @@ def rng_state(device_type):
     return {'cpu': torch.get_rng_state(), 'cuda': cuda}
 
 
-def restore_rng(saved, rank, world, reseed, device_type):
-    """Set this rank's generators from a state's list of one per rank. Saved by another number of
-    ranks they cannot go on: reseed() seeds anew. -> False if so."""
+def restore_rng(saved, rank, world, device_type):
+    """Set this rank's generators from a state's list of one per rank. -> False, untouched, when
+    another number of ranks saved them."""
     if len(saved) != world:
-        reseed()
         return False
     torch.set_rng_state(saved[rank]['cpu'])
     if saved[rank]['cuda'] is not None and device_type == 'cuda':
@@ -253,7 +252,7 @@ def check_resume(state, config, fine_tuned_from, train_split, out_dir):
 
 def load_optimizer_state(optimizer, state, path):
     """The optimizer's moments from a training state, refused in one line when its parameter groups
-    are not today's (a state saved before weight decay had one group for every parameter)."""
+    are not this optimizer's (one group for every parameter, where weight decay needs two)."""
     saved_groups = state['optimizer']['param_groups']
     if len(saved_groups) != len(optimizer.param_groups):
         sys.exit(f"{path} holds an optimizer of {len(saved_groups)} parameter group(s), "
@@ -266,11 +265,11 @@ def load_optimizer_state(optimizer, state, path):
 def best_bleu_in(out_dir):
     """The validation BLEU of out_dir's ckpt_best.pt, or -1: the final evaluation's best is newer
     than the last training state."""
-    try:
-        best = torch.load(os.path.join(out_dir, 'ckpt_best.pt'), mmap=True)
-        return best['valid_bleu']
-    except Exception:
+    path = os.path.join(out_dir, 'ckpt_best.pt')
+    if not os.path.exists(path):
         return -1.0
+    best = torch.load(path, map_location='cpu', mmap=True, weights_only=True)
+    return best['valid_bleu']
 
 
 # --- reading, listing and averaging checkpoints --------------------------------------------------

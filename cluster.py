@@ -39,8 +39,8 @@ def start(device, ddp_timeout_minutes):
 
 def attempt_store(timeout):
     """Under torchrun, its store with keys of this attempt alone: after a restart the process
-    group would otherwise read a dead worker's address, left by the attempt before (a restarted
-    rank then failed to connect, 1 run in 5 here). None elsewhere: the process group's own."""
+    group would otherwise read a dead worker's address, left by the attempt before, and fail to
+    connect. None elsewhere: the process group makes its own."""
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return None
     store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']),
@@ -125,4 +125,12 @@ def one_line_when_a_rank_fails(kind, error, traceback):
     first_line = message.strip().splitlines()[0][:300]
     print(f"train.py: another process of this run failed or left, so this one ends ({first_line}); "
           f"the same command continues from out_dir's newest state", file=sys.stderr, flush=True)
-    os._exit(1)  # at once: a Gloo thread may still hold the failed collective
+    exit_now(1)  # at once: a Gloo thread may still hold the failed collective
+
+
+def exit_now(status):
+    """Python's shutdown takes a second (torch's objects freed one by one), and under DDP a Gloo
+    thread that still releases the last collective's tensors aborts it: leave at once."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

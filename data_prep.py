@@ -112,6 +112,14 @@ OUR_FILES = re.compile(r'meta\.json|((train|valid|test)\.[^.]+\.(bin|idx|txt)|\w
 # download
 
 
+def locked(folder, doing):
+    """Keep other data_prep.py runs, which would delete or rename our temporary files, out."""
+    stack = contextlib.ExitStack()
+    busy = f'another data_prep.py is {doing} {folder}: waiting for it'
+    stack.callback(os.close, checkpoint.lock_folder(folder, busy))
+    return stack
+
+
 def file_problem(path, name):
     """What differs between a file and its CHECKSUMS entry: None if nothing does, or it has none."""
     if name not in CHECKSUMS:
@@ -204,7 +212,7 @@ def fetch(url, mirror, download_dir):
         url = mirror.rstrip('/') + '/' + name
     checkpoint.make_writable(download_dir, '--download-dir')
     # en-de and en-fr share files: one .part, one writer
-    with checkpoint.locked(download_dir, 'downloading into'):
+    with locked(download_dir, 'downloading into'):
         if os.path.exists(path):  # another run got it meanwhile
             return path
         return download(url, path)
@@ -592,7 +600,7 @@ def prepare(args, key):
     files = source_files(args, key)
     settings = settings_of(args, files, vocab_size, given)
     # from the check of meta.json to writing it: one run at a time
-    with checkpoint.locked(args.out, 'writing'):
+    with locked(args.out, 'writing'):
         if not args.force:
             meta = prepared_meta(args.out, settings)
             if meta is not None:

@@ -50,8 +50,9 @@ def sinusoidal_positions(max_len, d_model):
 
 
 def attention_weights(q, k, mask=None):
-    """Equation (1) written out: softmax(Q K^T / sqrt(d_k)), the weights that multiply V.
-    mask: True = attend, as SDPA's; a query with no key left gets zeros, as from SDPA."""
+    """Equation (1) written out: softmax(Q K^T / sqrt(d_k)), the weights that multiply V; the
+    reference form (plot.py's attention maps, the tests, packed rows off the GPU), where
+    MultiHeadAttention calls SDPA. mask: True = attend; a query with no key left gets zeros."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
     if mask is not None:
         scores = scores.masked_fill(~mask, -math.inf)
@@ -84,33 +85,11 @@ class MultiHeadAttention(nn.Module):
         mask: True = attend; cache: a dict of keys and values kept while decoding; packed: the
         (queries', keys') speed.Packed when sentences lie end to end in one row (speed.py)."""
         if self.cross:
-            if cache is not None and 'k' in cache:  # the source does not change while decoding
-                k, v = cache['k'], cache['v']
-            else:
-                k, v = map(self.heads, self.kv_proj(memory).chunk(2, dim=-1))
-                if cache is not None:  # contiguous once, not strided views read every step
-                    k, v = k.contiguous(), v.contiguous()
-                    cache['k'], cache['v'] = k, v
-            # A source's k beams, consecutive rows of x, fold into the query axis:
-            # K and V are never repeated.
-            q = self.q_proj(x).view(k.size(0), -1, self.q_proj.out_features)
-            q = self.heads(q)
+            q, k, v = self.cross_projections(x, memory, cache)
         else:
             q, k, v = map(self.heads, self.qkv_proj(x).chunk(3, dim=-1))
-            if cache is not None:  # the KV cache: earlier positions' keys and values, in beam order
-                if 'k' in cache:
-                    order = cache.pop('order', None)  # reorder_cache's, applied in the same copy
-                    k = extend(cache['k'], k, order)
-                    v = extend(cache['v'], v, order)
-                cache['k'], cache['v'] = k, v
-                T, S = q.size(2), k.size(2)
-                # is_causal aligns top-left; after a cached prefix the mask aligns bottom-right.
-                # Only here: training's T < S would be a symbolic bool under compile, a graph break.
-                if causal and T < S:
-                    causal = False
-                    mask = None  # one new position sees every key
-                    if T > 1:
-                        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            if cache is not None:
+                k, v, mask, causal = self.with_cache(q, k, v, cache, mask, causal)
         dropout_p = self.attn_dropout if self.training else 0.0
         if packed is None:
             # Equation (1): Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, for every head
@@ -121,6 +100,39 @@ class MultiHeadAttention(nn.Module):
             y = queries.attend(q, k, v, queries, keys, causal, dropout_p)
         y = y.transpose(1, 2).reshape(*x.shape[:-1], -1)  # Concat(head_1, ..., head_h)
         return self.out_proj(y)
+
+    def cross_projections(self, x, memory, cache):
+        """Q from the decoder, K and V from the encoder's output; while decoding, K and V are
+        computed once per source (cache)."""
+        if cache is not None and 'k' in cache:  # the source does not change while decoding
+            k, v = cache['k'], cache['v']
+        else:
+            k, v = map(self.heads, self.kv_proj(memory).chunk(2, dim=-1))
+            if cache is not None:  # contiguous once, not strided views read every step
+                k, v = k.contiguous(), v.contiguous()
+                cache['k'], cache['v'] = k, v
+        # A source's k beams, consecutive rows of x, fold into the query axis:
+        # K and V are never repeated.
+        q = self.q_proj(x).view(k.size(0), -1, self.q_proj.out_features)
+        return self.heads(q), k, v
+
+    def with_cache(self, q, k, v, cache, mask, causal):
+        """The KV cache of self-attention: earlier positions' keys and values, in beam order,
+        then the new ones. -> keys, values, and the mask and causal flag that fit them."""
+        if 'k' in cache:
+            order = cache.pop('order', None)  # reorder_cache's, applied in the same copy
+            k = extend(cache['k'], k, order)
+            v = extend(cache['v'], v, order)
+        cache['k'], cache['v'] = k, v
+        T, S = q.size(2), k.size(2)
+        # is_causal aligns top-left; after a cached prefix the mask aligns bottom-right.
+        # Only here: training's T < S would be a symbolic bool under compile, a graph break.
+        if causal and T < S:
+            causal = False
+            mask = None  # one new position sees every key
+            if T > 1:
+                mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        return k, v, mask, causal
 
 
 class FeedForward(nn.Module):

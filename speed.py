@@ -39,6 +39,8 @@ def fast_dtype(device_type):
 def check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
                    checkpoint_activations, head_size):
     """-> what makes these speed settings fail (dtype already resolved from 'auto'), or None."""
+    if dtype == 'float16' and device_type == 'cpu':
+        return "dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on a CPU"
     if master_weights and dtype == 'float32':
         return "master_weights must be False with dtype float32 (dtype='auto' gives float32 here)"
     if not cuda_graphs:
@@ -50,6 +52,12 @@ def check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
         return (f"cuda_graphs needs a head size (d_head, or d_model / n_heads) that is a multiple "
                 f"of 8 and at most 256, got {head_size}")
     return None
+
+
+def graph_length(longest_pair, max_len):
+    """The longest sentence a packed row holds: the longest pair's size rounded up to a power of 2
+    (few shapes, few graphs), at most max_len."""
+    return min(2 ** math.ceil(math.log2(longest_pair)), max_len)
 
 
 def configure_backends(device_type, dtype, checkpoint_activations):

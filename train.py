@@ -105,18 +105,17 @@ def log(*args, **kwargs):
 
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-device_type = device[:4]
+device_type = device.split(':')[0]
 if device_type == 'cuda' and not torch.cuda.is_available():
     sys.exit(f"device={device!r} but torch sees no GPU (device='auto' picks one when there is)")
-if dtype == 'float16' and device_type == 'cpu':
-    sys.exit("dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on a CPU")
 if dtype == 'auto':
     dtype = speed.fast_dtype(device_type)
 elif dtype == 'bfloat16' and speed.fast_dtype(device_type) != 'bfloat16':
     log(f"warning: this {device_type} has no native bfloat16 matrix multiply: "
         f"far slower than float32")
+head_size = d_head or d_model // n_heads
 problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
-                               checkpoint_activations, d_head or d_model // n_heads)
+                               checkpoint_activations, head_size)
 if problem:
     sys.exit(problem)
 ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes)
@@ -129,7 +128,8 @@ checkpoint.make_writable(out_dir, 'out_dir')
 if ddp:
     cluster.check_shared_out_dir(out_dir, rank, host_group)
     sys.excepthook = cluster.one_line_when_a_rank_fails
-init_from, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
+# start: 'scratch', 'resume' or a checkpoint to fine-tune; 'auto' resolved by what out_dir holds
+start, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
 # -----------------------------------------------------------------------------------------------
 # data: the token files data_prep.py writes
@@ -141,24 +141,30 @@ train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss 
 
 # -----------------------------------------------------------------------------------------------
 # model, optimizer, and the state to resume or fine-tune from
-state, init_path, fine_tuned_from = checkpoint.initial_state(init_from, out_dir)
-if state is None:  # the vocabulary rounded up to a multiple of 8, for the tensor cores
+state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir)
+if state is None:
     model_args = {f.name: config[f.name] for f in fields(M.Config) if f.name in config}
-    model_cfg = M.Config(**model_args, vocab_size=(meta['vocab_size'] + 7) // 8 * 8,
-                         pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    # The vocabulary rounded up to a multiple of 8: the output matmul fits the tensor cores.
+    vocab_size = (meta['vocab_size'] + 7) // 8 * 8
+    model_cfg = M.Config(**model_args, vocab_size=vocab_size, pad_id=PAD, bos_id=BOS, eos_id=EOS)
 else:
     checkpoint.check_tokenizer_of_data(init_path, state, tokenizer, data_dir)
-    doing = 'resuming' if init_from == 'resume' else 'fine-tuning'
+    doing = 'resuming' if start == 'resume' else 'fine-tuning'
     log(f"{doing} from {init_path} (step {state['step']})")
     model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture, not the settings'
-if init_from == 'resume':
+if start == 'resume':
     checkpoint.check_resume(state, config, fine_tuned_from, meta['splits']['train'], out_dir)
 # Dropout is a training setting (a resume keeps the run's); ids past the tokenizer's are never made.
 model_cfg.dropout = dropout
 model_cfg.attn_dropout = attn_dropout
 model_cfg.tokenizer_size = enc.n_vocab
-if fine_tuned_from:  # the settings made to agree, so the config saved with each checkpoint is true
-    arch = {k: v for k, v in asdict(model_cfg).items() if k in config and config[k] != v}
+if fine_tuned_from:
+    # The settings change here to the checkpoint's architecture: the config saved with each
+    # checkpoint is then the model's.
+    arch = {}
+    for key, value in asdict(model_cfg).items():
+        if key in config and config[key] != value:
+            arch[key] = value
     if arch:
         log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
         config.update(arch)
@@ -168,23 +174,28 @@ dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_toke
 raw_model = M.Transformer(model_cfg).to(device)
 if device_type == 'cpu':
     speed.cpu_dropout(raw_model)
-optimizer = M.configure_optimizer(raw_model, 0.0, (beta1, beta2), adam_eps, weight_decay)
+optimizer = M.configure_optimizer(raw_model, lr=0.0, betas=(beta1, beta2), eps=adam_eps,
+                                  weight_decay=weight_decay)  # lr: set at each step
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
-step, epoch, batch_idx, best_bleu, elapsed = 0, 0, 0, -1.0, 0.0
+step = 0
+epoch = 0
+batch_idx = 0  # the next batch of the epoch's plan
+best_bleu = -1.0
+elapsed = 0.0  # training seconds so far, a resumed run's included
 if state is not None:  # resumed or fine-tuned
     raw_model.load_state_dict(state['model'])
-if init_from == 'resume':
-    step, epoch, batch_idx = state['step'], state['epoch'], state['next_batch']
+if start == 'resume':
+    step = state['step']
+    epoch = state['epoch']
+    batch_idx = state['next_batch']
     elapsed = state['elapsed']
     checkpoint.load_optimizer_state(optimizer, state, init_path)
     if state['scaler'] and dtype == 'float16':  # else the scaler is off and its state empty
         scaler.load_state_dict(state['scaler'])
     best_bleu = max(state['best_bleu'], checkpoint.best_bleu_in(out_dir))
-
-    def reseed():
+    if not checkpoint.restore_rng(state['rng'], rank, world, device_type):
+        # The generators were saved per rank: another number of ranks cannot go on with them.
         torch.manual_seed(seed + rank + 1000003 * step)
-
-    if not checkpoint.restore_rng(state['rng'], rank, world, reseed, device_type):
         log(f"resumed by {world} process(es), saved by {len(state['rng'])}: dropout is reseeded")
     if master:
         checkpoint.remove_partial_saves(out_dir)
@@ -192,20 +203,20 @@ if init_from == 'resume':
 del state
 
 
+if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2
+    graph_len = speed.graph_length(dataset.pair_sizes(train_data).max(), model_cfg.max_len)
+
+
 def get_batch(data, ids, packed=False):
     """-> src, tgt_in, the real target rows, their targets; pinned: the copy does not wait."""
     batch = [torch.from_numpy(x) for x in dataset.collate(data, ids, PAD, BOS, EOS)]
     if packed:  # cuda_graphs: each side one row of a fixed size, and where its sentences lie
-        size = max_tokens + graph_len
-        src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, size, graph_len)
+        src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, max_tokens + graph_len,
+                                              graph_len)
         return [src, tgt_in, rows, batch[3], *sides]  # copied by the step, not the prefetcher
     if device_type == 'cuda':
         batch = [x.pin_memory() for x in batch]
     return [x.to(device, non_blocking=True) for x in batch]
-
-
-longest_pair = dataset.pair_sizes(train_data).max()
-graph_len = min(2 ** int(np.ceil(np.log2(longest_pair))), model_cfg.max_len)
 
 
 def epoch_plan(epoch):
@@ -236,12 +247,8 @@ def updates(epoch, batch_idx, plan):
 
 
 batches = dataset.prefetched(updates(epoch, batch_idx, epoch_plan(epoch)))
-if init_from != 'resume' and run_files:  # --overwrite: only now that every input has loaded
-    if ddp:
-        dist.barrier()  # every rank has listed the old run
-    if master:
-        for f in run_files:
-            os.remove(os.path.join(out_dir, f))
+if start != 'resume' and run_files:  # --overwrite: only now that every input has loaded
+    checkpoint.remove_run(out_dir, run_files, ddp, master)
 
 # -----------------------------------------------------------------------------------------------
 # the speed paths: the model the steps run on (docs/performance.md)
@@ -255,6 +262,13 @@ if cuda_graphs:
 step_context = autocast
 if master_weights:  # the copy is in dtype already
     step_context = contextlib.nullcontext()
+
+
+def forward(src, tgt_in, rows, *sides):
+    """The decoder states at the real targets: a replay of the CUDA graphs, or the model."""
+    if cuda_graphs:
+        return graphed(src, tgt_in, rows, list(sides))
+    return model(src, tgt_in, rows)
 
 
 def get_lr(step, elapsed=0.0):
@@ -278,10 +292,14 @@ def validation_bleu():
     """Beam search (translate.py's default rule) over every world-th validation source, batched
     as translate.py does: longest first, up to 4096 padded tokens; empty or too long ones: ''."""
     lengths = np.diff(valid_data[1])
-    mine = [i for i in range(rank, len(valid_ref), world) if 0 < lengths[i] < model_cfg.max_len]
+    mine = []  # this rank's share
+    for i in range(rank, len(valid_ref), world):
+        if 0 < lengths[i] < model_cfg.max_len:
+            mine.append(i)
     sizes = lengths[mine] + 1
+    longest_first = np.argsort(-sizes, kind='stable')
     hyps = {}
-    for batch in dataset.token_batches(sizes, np.argsort(-sizes, kind='stable'), 4096):
+    for batch in dataset.token_batches(sizes, longest_first, 4096):
         ids = [mine[j] for j in batch]
         with autocast:
             src = get_batch(valid_data, ids)[0]
@@ -319,7 +337,11 @@ def evaluate(final=False):
             best_bleu = record['valid_bleu']
             save(os.path.join(out_dir, 'ckpt_best.pt'), valid_bleu=best_bleu)
     raw_model.train()
-    words = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()]
+    words = []
+    for key, value in record.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        words.append(f"{key} {value}")
     log(' | '.join(words))
     log_record(record)
 
@@ -389,15 +411,7 @@ def agree_at_log_step():
     return slowest.item()
 
 
-def leave(status):
-    """Python's shutdown takes a second (torch's objects freed one by one), and under DDP a Gloo
-    thread that still releases the last collective's tensors aborts it: leave at once."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-if init_from == 'resume' and master:  # killed between a state and its snapshot
+if start == 'resume' and master:  # killed between a state and its snapshot
     snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
     if not os.path.exists(snapshot):
         save(snapshot)
@@ -429,16 +443,13 @@ while step < max_steps:
         group['lr'] = lr_now
     try:
         for micro, (src, tgt_in, rows, targets, *sides) in enumerate(micro_batches):
-            if ddp and not cuda_graphs:  # all-reduce gradients only on the last micro-step
+            if ddp and not cuda_graphs:  # as nanoGPT: all-reduce only on the last micro-step
                 model.require_backward_grad_sync = micro == update_freq - 1
             if cuda_graphs:  # copied here: no other thread may use the GPU during a capture
                 tensors = [x.to(device) for x in [src, tgt_in, targets, *sides]]
                 src, tgt_in, targets, *sides = tensors
             with step_context:
-                if cuda_graphs:
-                    x = graphed(src, tgt_in, rows, sides)
-                else:
-                    x = model(src, tgt_in, rows)  # the decoder states at the real targets
+                x = forward(src, tgt_in, rows, *sides)
                 loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
                                                   label_smoothing, chunk_fn)
             # DDP averages gradients over ranks; scaling by world turns that average into the sum.
@@ -454,7 +465,10 @@ while step < max_steps:
     if master_weights:  # the float32 model takes the copy's gradients
         speed.gradients_to_master(raw_model, train_model)
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip_grad or math.inf)
+    max_norm = math.inf  # the norm is taken anyway: the log shows it, and it finds non-finite steps
+    if clip_grad > 0:
+        max_norm = clip_grad
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
     # A non-finite norm (all-reduced: every rank agrees) skips the update, as fp16's scaler does.
     bad = ~torch.isfinite(grad_norm)
     optimizer.found_inf = bad.float()
@@ -478,20 +492,23 @@ while step < max_steps:
         max_steps = step
         log_step = True
     if log_step:
-        if sums['worst_run'].item() >= max_bad_steps:  # every rank reads it: all stop together
-            sys.exit(f"{int(sums['worst_run'].item())} non-finite updates in a row: lower the "
-                     f"learning rate, use dtype='bfloat16' or 'float32', or set clip_grad")
+        worst_run = int(sums['worst_run'].item())  # every rank reads it: all stop together
+        if worst_run >= max_bad_steps:
+            sys.exit(f"{worst_run} non-finite updates in a row: lower the learning rate, "
+                     f"use dtype='bfloat16' or 'float32', or set clip_grad")
         if master:
-            dt = time.time() - t_last
-            t_last = time.time()
-            log_progress(lr_now, grad_norm, dt)
+            log_progress(lr_now, grad_norm, time.time() - t_last)
         tokens_since = 0
-        torch._foreach_zero_([sums['loss'], sums['nll'], sums['worst_run'], sums['skipped']])
-    eval_due = any(n > 0 and step % n == 0 for n in (eval_interval, bleu_interval))
-    if eval_due and step != max_steps:
+        for key in ('loss', 'nll', 'worst_run', 'skipped'):  # bad_run: a run spans log steps
+            sums[key].zero_()
+    # The last step is evaluated after the averaging below.
+    loss_due = eval_interval > 0 and step % eval_interval == 0
+    bleu_due = bleu_interval > 0 and step % bleu_interval == 0
+    if (loss_due or bleu_due) and step != max_steps:
         evaluate()
     save_due = save_interval > 0 and step % save_interval == 0
-    save_due = save_due or (save_minutes > 0 and clock - last_save > save_minutes * 60)
+    if save_minutes > 0 and clock - last_save > save_minutes * 60:
+        save_due = True
     stop_asked = cluster.stop_asked(ddp, host_group)  # SIGTERM or SIGINT: save, and end
     if save_due or step == max_steps or stop_asked:
         save_snapshots()
@@ -499,7 +516,7 @@ while step < max_steps:
     if stop_asked:
         log(f"{cluster.stop['signal']}: stopped at step {step} with a training state in {out_dir}; "
             f"the same command continues the run", file=sys.stderr, flush=True)
-        leave(1)  # nonzero: the scheduler requeues the job
+        cluster.exit_now(1)  # nonzero: the scheduler requeues the job
     if step % log_interval == 0:  # evaluation and saving do not count against tokens/s
         t_last = time.time()
 
@@ -516,4 +533,4 @@ if best_bleu >= 0:
 log(done)
 if ddp:
     dist.barrier()  # no rank leaves while another still uses the process group
-leave(0)
+cluster.exit_now(0)

@@ -195,8 +195,8 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
                     elif greedy:
                         out = decode.greedy_decode(model, src, max_len_a, max_len_b)
                     else:
-                        out = decode.beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest,
-                                            exact)
+                        out = decode.beam_search(model, src, beam, alpha, max_len_a, max_len_b,
+                                                 nbest, exact)
                 warn_at_limit(cfg, srcs, batch, out, max_len_a, max_len_b, first_line)
                 done.update(zip(batch, out))
             while nxt < len(lines) and (nxt in done or nxt not in srcs):

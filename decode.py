@@ -31,7 +31,8 @@ def next_log_probs(model, tokens, memory, src_mask, cache):
     logp = torch.log_softmax(logits, dim=-1, out=logits)
     # Never generated, masked after normalising: PAD, BOS, the ids past the tokenizer's (no text).
     logp[:, [cfg.pad_id, cfg.bos_id]] = -math.inf
-    logp[:, cfg.tokenizer_size or cfg.vocab_size:] = -math.inf
+    first_unused = cfg.tokenizer_size or cfg.vocab_size  # 0: every id has text
+    logp[:, first_unused:] = -math.inf
     return logp
 
 
@@ -167,8 +168,10 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
         fin_scores, fin_tokens = finish(fin_scores, fin_tokens, top, src_beam, tok, tokens, t,
                                         alpha, cfg.eos_id)
         alive, tokens, beam_idx = keep_alive(top, src_beam, tok, tokens, cfg.eos_id)
-        # step 0 cached one row per sentence, from then on one per beam
-        M.reorder_cache(cache, beam_idx // k if t == 0 else beam_idx)
+        if t == 0:  # step 0 cached one row per sentence
+            M.reorder_cache(cache, beam_idx // k)
+        else:  # from then on one per beam
+            M.reorder_cache(cache, beam_idx)
         done = can_stop(fin_scores, alive, limit, t, alpha, nbest, exact)
         if done.any():
             out_scores[active[done]] = fin_scores[done]
@@ -177,12 +180,20 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
             if len(keep) == 0:
                 break
             rows = (keep[:, None] * k + torch.arange(k, device=dev)).view(-1)  # their beams
-            active, alive, limit = active[keep], alive[keep], limit[keep]
-            fin_scores, fin_tokens = fin_scores[keep], fin_tokens[keep]
-            tokens, memory, src_mask = tokens[rows], memory[keep], src_mask[keep]
+            active = active[keep]
+            alive = alive[keep]
+            limit = limit[keep]
+            fin_scores = fin_scores[keep]
+            fin_tokens = fin_tokens[keep]
+            tokens = tokens[rows]
+            memory = memory[keep]
+            src_mask = src_mask[keep]
             M.reorder_cache(cache, rows, keep)
     results = []
     for toks, scores in zip(out_tokens.tolist(), out_scores.tolist()):
-        hyps = [(row[:row.index(cfg.eos_id)], s) for row, s in zip(toks, scores) if s > -math.inf]
+        hyps = []
+        for row, score in zip(toks, scores):
+            if score > -math.inf:  # a finished hypothesis: its tokens up to EOS
+                hyps.append((row[:row.index(cfg.eos_id)], score))
         results.append(hyps[:nbest])
     return results

@@ -1,10 +1,13 @@
 """
 How fast a step runs, never what it computes. In the order train.py meets them:
-- check_settings: what each speed path needs, said before any work;
-- the CPU's policy: bf16 only where the CPU has it, freed memory kept, a faster dropout mask;
+- fast_dtype and check_settings: bf16 only where it is native, and what each speed path needs,
+  said before any work;
+- configure_backends: the CPU's malloc policy, flash attention's switch, on a GPU TF32 and no
+  cuDNN attention; cpu_dropout, a faster dropout mask;
 - the training model's paths: master weights (a bf16 copy, Adam on float32), activation
-  checkpointing, torch.compile per layer;
-- packed rows for CUDA graphs: a batch's sentences end to end, flash attention within each.
+  checkpointing, torch.compile per layer, the broadcast of rank 0's weights;
+- packed rows for CUDA graphs: a batch's sentences end to end, flash attention within each, the
+  graphs themselves, and their gradients' all-reduce.
 docs/performance.md has the measurements behind each.
 """
 import copy

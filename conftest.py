@@ -38,6 +38,13 @@ def toy(tmp_path_factory):
 
 
 @pytest.fixture(scope='session')
+def toy_data(tmp_path_factory):
+    """test_train.py's toy corpus, prepared once for it and dev/test_gpu.py -> its folder."""
+    from test_train import toy_corpus
+    return toy_corpus(tmp_path_factory.mktemp('toy'))
+
+
+@pytest.fixture(scope='session')
 def multi30k_en_de(tmp_path_factory):
     """The real Multi30k en-de as `data_prep.py multi30k --src en --tgt de` prepares it
     -> (folder, meta)."""

@@ -474,7 +474,8 @@ def test_exact_stopping_never_changes_the_nbest(monkeypatch):
     for alpha in (0.0, 0.6, 1.0):
         early = {}
         for n in (1, 4):
-            early[n] = decode.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=n, exact=True)
+            early[n] = decode.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=n,
+                                          exact=True)
         with monkeypatch.context() as mp:
             mp.setattr(decode, 'can_stop', never_early)
             full = decode.beam_search(m, src, beam=4, alpha=alpha, max_len_b=10, nbest=4)
@@ -564,14 +565,16 @@ def test_outputs_respect_max_length():
 
 def test_tiny_model_learns_to_copy():
     torch.manual_seed(0)
-    V, steps = 13, 400
+    # Seeds 0-11: 10 copy all 200 sentences, greedy and beam (400 steps at lr 3e-3 with 50 of
+    # warmup, slower: 9; 2026-12-02).
+    V, steps = 13, 300
     cfg = M.Config(vocab_size=V, n_enc_layers=2, n_dec_layers=2, d_model=64, d_ff=128, n_heads=4,
                    dropout=0.0, max_len=32)  # post-norm, as the paper
     m = M.Transformer(cfg)
-    opt = torch.optim.Adam(m.parameters(), lr=3e-3, betas=(0.9, 0.98), eps=1e-9)
+    opt = torch.optim.Adam(m.parameters(), lr=5e-3, betas=(0.9, 0.98), eps=1e-9)
 
-    def lr_factor(s):  # 50 steps of warmup, then a linear decay to 0.05
-        return min(1, (s + 1) / 50) * max(0.05, 1 - s / steps)
+    def lr_factor(s):  # 30 steps of warmup, then a linear decay to 0.05
+        return min(1, (s + 1) / 30) * max(0.05, 1 - s / steps)
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
 

@@ -1,7 +1,8 @@
 """
 Tests for export_ct2.py and translate.py's CTranslate2 path: an export scores every token as
-model.py does (pre-norm and post-norm), and test_translate.py's tiny word-reversal model, trained
-and exported, decodes under CTranslate2 as under model.py.
+model.py does (pre-norm and post-norm), and trained word-reversal models (conftest.py's toy,
+post-norm; a pre-norm one with learned positions and d_head) decode under CTranslate2 as under
+model.py.
 """
 import dataclasses
 import json
@@ -20,27 +21,25 @@ import export_ct2 as E  # noqa: E402  (needs ctranslate2)
 
 
 @pytest.fixture(scope='module')
-def toy(tmp_path_factory):
-    """The trained pre-norm reversal model, its checkpoint and float32 export, and 32 source
-    lines."""
+def toy(toy, tmp_path_factory):
+    """conftest.py's toy (test_translate.py's reversal model, post-norm as the paper), with its
+    float32 export, its tokenizer dict and 32 source lines."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two shared cores: one thread is faster than oversubscribed ones
-    model, d, enc, cfg = train_reversal(pre_norm=True)
-    folder = tmp_path_factory.mktemp('toy')
-    ckpt, ct2 = str(folder / 'ckpt.pt'), str(folder / 'ct2')
-    saved = dict(model=model.state_dict(), model_cfg=dataclasses.asdict(cfg), tokenizer=d, step=250)
-    torch.save(saved, ckpt)
-    E.main(['--ckpt', ckpt, '--out', ct2])
+    ct2 = str(tmp_path_factory.mktemp('toy') / 'ct2')
+    E.main(['--ckpt', toy['ckpt'], '--out', ct2])
+    d = torch.load(toy['ckpt'], weights_only=True)['tokenizer']
     # Lengths out of order, so batches are length-sorted and put back.
     lines = [sentence(random.Random(i)) for i in range(32)]
-    yield dict(ckpt=ckpt, ct2=ct2, model=model, enc=enc, d=d, lines=lines)
+    yield dict(ckpt=toy['ckpt'], ct2=ct2, model=toy['model'], enc=toy['enc'], d=d, lines=lines)
     torch.set_num_threads(threads)
 
 
 # Table 3: (E) learned positions, (A) h 8 x d_k 8 = d_model 64, (B) d_k 4 at h 4 (CTranslate2:
 # head_dim).
 @pytest.mark.parametrize('kw', [dict(pre_norm=True), dict(pre_norm=False),
-                                dict(positions='learned'), dict(n_heads=8, d_head=8),
+                                dict(positions='learned', pre_norm=True),
+                                dict(n_heads=8, d_head=8, pre_norm=True),
                                 dict(d_head=4, pre_norm=False)],
                          ids=['pre_norm', 'post_norm', 'E_learned', 'A_h8_dk8', 'B_dk4_post_norm'])
 def test_export_scores_each_token_as_model_py(toy, tmp_path, kw):

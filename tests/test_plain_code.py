@@ -8,13 +8,14 @@ MAX_LINE = 100
 
 
 def python_files():
-    listed = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard', '*.py'],
-                            cwd=ROOT, capture_output=True, text=True)
+    cmd = ['git', 'ls-files', '--cached', '--others', '--exclude-standard', '*.py']
+    listed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if listed.returncode == 0 and listed.stdout.strip():
         return sorted(set(listed.stdout.split()))
     found = []
     for folder, subfolders, files in os.walk(ROOT):
-        subfolders[:] = [d for d in subfolders if not d.startswith('.') and d not in ('data', 'out')]
+        skipped = [d for d in subfolders if d.startswith('.') or d in ('data', 'out')]
+        subfolders[:] = [d for d in subfolders if d not in skipped]
         for name in files:
             if name.endswith('.py'):
                 found.append(os.path.relpath(os.path.join(folder, name), ROOT))

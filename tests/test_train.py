@@ -1,7 +1,9 @@
 """
-Tests for train.py, run as users run it (a subprocess, torchrun for two processes) on a toy corpus that
-data_prep.py prepares once. Runs that several tests read are module fixtures; each test copies what it
-changes. Functions of train.py that need no run (the configurator, the schedule) are loaded from its source.
+Tests for train.py, run as users run it (a subprocess, torchrun for two processes) on a toy corpus
+that data_prep.py prepares once. Runs that several tests read are module fixtures; each test copies
+what it changes. Functions of train.py that need no run (the configurator, the schedule) are loaded
+from its source, and the checks that refuse a run are called in-process where one run shows the
+refusal end to end.
 """
 
 import ast
@@ -21,6 +23,7 @@ import torch
 import checkpoint
 import model as M
 import configurator
+import data_prep
 import dataset
 import speed
 import translate
@@ -44,51 +47,34 @@ TINY = [
     '--device=cpu',
     '--dtype=float32',
 ]
+SPLITS = (('train', 1200, 2, 12), ('valid', 40, 2, 12), ('test', 40, 2, 12))
 
 
-def toy_corpus(
-    root, seed=0, tokenizer=None, sizes=(('train', 1200, 2, 12), ('valid', 40, 2, 12), ('test', 40, 2, 12))
-):
-    """A toy parallel corpus (word-for-word substitution, reversed) prepared by data_prep.py, with a BPE of
-    its own or the given --tokenizer's."""
+def toy_corpus(root, seed=0, tokenizer=None, sizes=SPLITS):
+    """A toy parallel corpus (word-for-word substitution, reversed) prepared by data_prep.py, with
+    a BPE of its own or the given --tokenizer's -> its folder."""
     rng = random.Random(seed)
     words = [f'w{i}' for i in range(40)]
     for split, n, lo, hi in sizes:
         src = [[rng.choice(words) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-        (root / f'{split}.xx').write_text('\n'.join(' '.join(s) for s in src) + '\n')
-        (root / f'{split}.yy').write_text(
-            '\n'.join(' '.join('v' + w[1:] for w in s[::-1]) for s in src) + '\n'
-        )
+        tgt = [['v' + w[1:] for w in s[::-1]] for s in src]
+        (root / f'{split}.xx').write_text(''.join(' '.join(s) + '\n' for s in src))
+        (root / f'{split}.yy').write_text(''.join(' '.join(t) + '\n' for t in tgt))
     out = root / 'data'
-    subprocess.run(
-        [
-            sys.executable,
-            'data_prep.py',
-            'custom',
-            '--train',
-            str(root / 'train'),
-            '--valid',
-            str(root / 'valid'),
-            '--test',
-            str(root / 'test'),
-            '--src',
-            'xx',
-            '--tgt',
-            'yy',
-            *(['--tokenizer', str(tokenizer)] if tokenizer else ['--vocab-size', '300']),
-            '--out',
-            str(out),
-        ],
-        cwd=HERE,
-        check=True,
-        capture_output=True,
-    )
+    bpe = ['--vocab-size', '300']
+    if tokenizer:
+        bpe = ['--tokenizer', str(tokenizer)]
+    splits = []
+    for split in ('train', 'valid', 'test'):
+        splits += [f'--{split}', str(root / split)]
+    # In-process, as conftest.py prepares Multi30k: a process would cost a second of imports.
+    data_prep.main(['custom', *splits, '--src', 'xx', '--tgt', 'yy', *bpe, '--out', str(out)])
     return str(out)
 
 
 @pytest.fixture(scope='module')
-def data_dir(tmp_path_factory):
-    return toy_corpus(tmp_path_factory.mktemp('toy'))
+def data_dir(toy_data):  # conftest.py's: the toy corpus above, shared with dev/test_gpu.py
+    return toy_data
 
 
 TWO = ['--dropout=0.3', '--save_interval=3']  # the two-process runs'
@@ -100,48 +86,56 @@ def free_port():
         return s.getsockname()[1]
 
 
-def train(args, out_dir, data_dir, nproc=1, ok=True, launcher=None):
-    launcher = launcher or (
-        [sys.executable]
-        if nproc == 1
-        else [
-            sys.executable,
-            '-m',
-            'torch.distributed.run',
-            f'--nproc_per_node={nproc}',
-            f'--master_port={free_port()}',
-        ]
-    )
-    cmd = launcher + ['train.py'] + TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}'] + args
-    res = subprocess.run(
-        cmd, cwd=HERE, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS='1')
-    )
+def start(args, out_dir, data_dir, nproc=1, launcher=None):
+    """train.py with TINY's settings and args, started -> the running process."""
+    if launcher is None and nproc == 1:
+        launcher = [sys.executable]
+    if launcher is None:
+        launcher = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
+                    f'--master_port={free_port()}']
+    cmd = [*launcher, 'train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
+    return subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+
+
+def finish(proc, ok=True):
+    """Waits for a process of start() -> its CompletedProcess. ok: it must succeed; else it must
+    fail with an error of its own, no traceback."""
+    out, err = proc.communicate()
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if ok:
-        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    else:  # one line, no traceback
-        assert res.returncode != 0 and 'Traceback' not in res.stderr, res.stderr[-3000:]
+        assert res.returncode == 0, out[-2000:] + err[-3000:]
+    else:
+        assert res.returncode != 0, err[-3000:]
+        assert 'Traceback' not in err, err[-3000:]
     return res
 
 
+def train(args, out_dir, data_dir, nproc=1, ok=True, launcher=None):
+    return finish(start(args, out_dir, data_dir, nproc, launcher), ok)
+
+
 def refused(*runs):
-    """train.py runs [(args, out_dir, data_dir)] that must each stop with one line and no traceback, started
-    together: each is mostly the import of torch, which two cores do two at a time. -> their stderr."""
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    procs = [
-        subprocess.Popen(
-            [sys.executable, 'train.py', *TINY, f'--data_dir={d}', f'--out_dir={o}', *a],
-            cwd=HERE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for a, o, d in runs
-    ]
-    errs = [p.communicate()[1] for p in procs]
-    for p, err in zip(procs, errs):
-        assert p.returncode != 0 and 'Traceback' not in err and len(err.strip().splitlines()) == 1, err
+    """train.py runs [(args, out_dir, data_dir)] that must each stop with one line and no
+    traceback, started together: each is mostly the import of torch, which two cores do two at a
+    time. -> their stderr."""
+    procs = [start(args, out_dir, data_dir) for args, out_dir, data_dir in runs]
+    errs = []
+    for proc in procs:
+        err = finish(proc, ok=False).stderr
+        assert len(err.strip().splitlines()) == 1, err
+        errs.append(err)
     return errs
+
+
+def in_process_refusal(check, *args):
+    """check(*args), one of the checks train.py runs before any work, must stop it as train.py
+    stops: sys.exit with one line -> the line."""
+    with pytest.raises(SystemExit) as e:
+        check(*args)
+    message = str(e.value)
+    assert '\n' not in message, message
+    return message
 
 
 def params(out_dir, name):
@@ -149,7 +143,8 @@ def params(out_dir, name):
 
 
 def records(out_dir, key):
-    return [r for r in map(json.loads, open(os.path.join(out_dir, 'log.jsonl'))) if key in r]
+    with open(os.path.join(out_dir, 'log.jsonl')) as f:
+        return [r for r in map(json.loads, f) if key in r]
 
 
 def losses(out_dir):
@@ -163,10 +158,11 @@ def assert_same_params(a, b):
 
 @pytest.fixture(scope='module')
 def run(data_dir, tmp_path_factory):
-    """6 steps with dropout, a snapshot and a state every 3: what most tests copy, resume or fine-tune."""
+    """6 steps with dropout, a snapshot and a state every 3: what most tests copy, resume or
+    fine-tune."""
     out = tmp_path_factory.mktemp('run') / 'run'
-    res = train(['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0'], out, data_dir)
-    return out, res
+    args = ['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0']
+    return out, train(args, out, data_dir)
 
 
 def copy_run(run, tmp_path):
@@ -177,22 +173,19 @@ def copy_run(run, tmp_path):
 def test_a_run_logs_progress_and_writes_snapshots_a_state_and_their_average(run):
     out, res = run
     assert 'tgt tok/s' in res.stdout and 'ETA' in res.stdout
-    assert sorted(os.listdir(out)) == [
-        'ckpt.pt',
-        'ckpt_0000003.pt',
-        'ckpt_0000006.pt',
-        'ckpt_best.pt',
-        'log.jsonl',
-        'state_0000006.pt',
-    ]  # keep_state=1: the older state is gone
+    # keep_state=1: the older state is gone
+    assert sorted(os.listdir(out)) == ['ckpt.pt', 'ckpt_0000003.pt', 'ckpt_0000006.pt',
+                                       'ckpt_best.pt', 'log.jsonl', 'state_0000006.pt']
     assert 'optimizer' not in torch.load(out / 'ckpt_0000003.pt', weights_only=True)
-    avg = checkpoint.average_checkpoints([str(out / 'ckpt_0000003.pt'), str(out / 'ckpt_0000006.pt')])
+    snapshots = [str(out / 'ckpt_0000003.pt'), str(out / 'ckpt_0000006.pt')]
+    avg = checkpoint.average_checkpoints(snapshots)
     assert_same_params(avg, params(out, 'ckpt.pt'))
     model, enc, ckpt = checkpoint.load_checkpoint(str(out / 'ckpt.pt'), 'cpu')
     assert ckpt['step'] == 6 and ckpt['config']['max_steps'] == 6
     assert ckpt['model_cfg']['tokenizer_size'] == enc.n_vocab  # the ids past it are never decoded
     assert len(list(translate.translate_lines(model, enc, ['w1 w2 w3'], beam=2))) == 1
-    best = torch.load(out / 'ckpt_best.pt', weights_only=True)  # the final evaluation's BLEU, which it holds
+    # The final evaluation's BLEU, which it holds.
+    best = torch.load(out / 'ckpt_best.pt', weights_only=True)
     assert best['valid_bleu'] == records(out, 'valid_bleu')[-1]['valid_bleu']
 
 
@@ -201,20 +194,21 @@ def test_resume_is_exact(run, data_dir, tmp_path):
     for f in ('ckpt.pt', 'ckpt_best.pt', 'ckpt_0000006.pt', 'state_0000006.pt'):
         os.remove(out / f)
     # The state of step 3 as the run wrote it: a run of 3 steps writes the same state.
-    train(['--max_steps=3', '--save_interval=3', '--dropout=0.1', '--overwrite=True'], out, data_dir)
+    train(['--max_steps=3', '--save_interval=3', '--dropout=0.1', '--overwrite=True'], out,
+          data_dir)
     state = torch.load(out / 'state_0000003.pt', weights_only=False)
     for key in ('positions', 'd_head'):  # as a state saved before these settings existed
         del state['config'][key], state['model_cfg'][key]
     torch.save(state, out / 'state_0000003.pt')
-    (out / 'ckpt_0000003.pt').unlink()  # killed after the state, before its snapshot: the resume writes it
-    train(
-        ['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--init_from=resume', '--bleu_interval=0'],
-        out,
-        data_dir,
-    )
+    # Killed after the state, before its snapshot: the resume writes it.
+    (out / 'ckpt_0000003.pt').unlink()
+    args = ['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--init_from=resume',
+            '--bleu_interval=0']
+    train(args, out, data_dir)
     assert losses(out) == losses(run[0])
     assert_same_params(params(out, 'ckpt_0000006.pt'), params(run[0], 'ckpt_0000006.pt'))
-    assert_same_params(params(out, 'ckpt.pt'), params(run[0], 'ckpt.pt'))  # the step-3 snapshot was written
+    # The step-3 snapshot was written.
+    assert_same_params(params(out, 'ckpt.pt'), params(run[0], 'ckpt.pt'))
 
 
 def test_activation_checkpointing_trains_the_same_steps(run, data_dir, tmp_path):
@@ -223,23 +217,26 @@ def test_activation_checkpointing_trains_the_same_steps(run, data_dir, tmp_path)
         "import os, runpy, sys, torch.utils.checkpoint as c\n"
         "f, calls, leave = c.checkpoint, [], os._exit  # os._exit: train.py's last line\n"
         "c.checkpoint = lambda *a, **k: calls.append(1) or f(*a, **k)\n"
-        "os._exit = lambda code: print('checkpointed layer calls', len(calls), flush=True) or leave(code)\n"
+        "os._exit = lambda code: print('checkpointed layer calls', len(calls), flush=True)"
+        " or leave(code)\n"
         "sys.argv = sys.argv[1:]\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
     )
-    res = train(['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0',
-                 '--checkpoint_activations=True'], tmp_path, data_dir,
-                launcher=[sys.executable, '-c', counted])
-    assert int(res.stdout.split('checkpointed layer calls')[1]) >= 6 * 2  # 6 steps of 1+1 layers at least
+    args = ['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0',
+            '--checkpoint_activations=True']
+    res = train(args, tmp_path, data_dir, launcher=[sys.executable, '-c', counted])
+    calls = int(res.stdout.split('checkpointed layer calls')[1])
+    assert calls >= 6 * 2  # 6 steps of 1+1 layers at least
     assert losses(tmp_path) == losses(run[0])
     assert_same_params(params(tmp_path, 'ckpt_0000006.pt'), params(run[0], 'ckpt_0000006.pt'))
 
 
 @pytest.fixture(scope='module')
 def one(data_dir, tmp_path_factory):
-    """4 steps of one process with update_freq 2, no dropout, a snapshot each: two processes' reference."""
-    args = ['--max_steps=4', '--dropout=0.0', '--save_interval=1', '--bleu_interval=0', '--schedule=constant',
-            '--warmup=1', '--lr=0.01']
+    """4 steps of one process with update_freq 2, no dropout, a snapshot each: two processes'
+    reference."""
+    args = ['--max_steps=4', '--dropout=0.0', '--save_interval=1', '--bleu_interval=0',
+            '--schedule=constant', '--warmup=1', '--lr=0.01']
     out = tmp_path_factory.mktemp('one') / 'one'
     train(args + ['--update_freq=2'], out, data_dir)
     return out, args
@@ -247,46 +244,53 @@ def one(data_dir, tmp_path_factory):
 
 def test_ddp_two_processes_equal_one_process_with_update_freq_2(one, data_dir, tmp_path):
     # Validation is split across the ranks: its loss and BLEU must still be those of one process.
-    assert 'Warning' not in train(one[1], tmp_path, data_dir, nproc=2).stderr  # nor DDP's, per rank
+    res = train(one[1], tmp_path, data_dir, nproc=2)
+    assert 'Warning' not in res.stderr  # nor DDP's, per rank
     a, b = params(one[0], 'ckpt_0000004.pt'), params(tmp_path, 'ckpt_0000004.pt')
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=0, msg=k)
     # The logged training loss too: over both ranks' tokens, not rank 0's times two.
     assert losses(tmp_path) == pytest.approx(losses(one[0]), rel=1e-5)
     (va,), (vb,) = records(one[0], 'valid_bleu'), records(tmp_path, 'valid_bleu')
-    assert va['valid_bleu'] == vb['valid_bleu'] and va['valid_loss'] == pytest.approx(
-        vb['valid_loss'], rel=1e-5
-    )
+    assert va['valid_bleu'] == vb['valid_bleu']
+    assert va['valid_loss'] == pytest.approx(vb['valid_loss'], rel=1e-5)
 
 
 def test_master_weights_train_a_bf16_copy_as_float32_training_does(one, data_dir, tmp_path):
-    # The copy in bf16 runs the steps, the float32 weights take Adam's first step whole, lr * sign(g) (bf16
-    # weights would round it), each step's new weights reach the copy, and both ranks start from rank 0's
-    # float32 weights: float32's losses to bf16's rounding (at step 2 4.753 against 4.752; 5.799 without the
-    # copy back, 5.487 with each rank's own start; 2026-12-01).
+    # The copy in bf16 runs the steps, the float32 weights take Adam's first step whole,
+    # lr * sign(g) (bf16 weights would round it), each step's new weights reach the copy, and both
+    # ranks start from rank 0's float32 weights: float32's losses to bf16's rounding (at step 2
+    # 4.753 against 4.752; 5.799 without the copy back, 5.487 with each rank's own start;
+    # 2026-12-01).
     train(one[1] + ['--dtype=bfloat16', '--master_weights=True'], tmp_path, data_dir, nproc=2)
     assert losses(tmp_path) == pytest.approx(losses(one[0]), abs=0.02)
     a, b = params(one[0], 'ckpt_0000001.pt'), params(tmp_path, 'ckpt_0000001.pt')
-    steps = torch.cat([(b[k] - a[k]).flatten() for k in a]) / 0.01  # 0, or 1, 2 where gradients' signs differ
-    assert ((steps - steps.round()).abs() < 0.01).float().mean() > 0.99  # 0.997; the rest: |g| near eps
+    # 0, or 1, 2 where gradients' signs differ
+    steps = torch.cat([(b[k] - a[k]).flatten() for k in a]) / 0.01
+    whole = (steps - steps.round()).abs() < 0.01
+    assert whole.float().mean() > 0.99  # 0.997; the rest: |g| near eps
 
 
 @pytest.fixture(scope='module')
 def two(data_dir, tmp_path_factory):
-    """6 steps of two processes with dropout, a state every 3: what the resumed, stopped, restarted
-    and two-node runs must end equal to."""
+    """6 steps of two processes with dropout, a state every 3, both kept: what the resumed,
+    stopped, restarted and two-node runs must end equal to."""
     out = tmp_path_factory.mktemp('two') / 'two'
-    train(TWO + ['--max_steps=6'], out, data_dir, nproc=2)
+    train(TWO + ['--max_steps=6', '--keep_state=2'], out, data_dir, nproc=2)
     return out
 
 
 def test_two_process_resume_is_exact_and_keeps_the_time_spent(two, data_dir, tmp_path):
-    train(TWO + ['--max_steps=3'], tmp_path / 'split', data_dir, nproc=2)
-    state = torch.load(tmp_path / 'split' / 'state_0000003.pt', weights_only=False)
-    torch.save({**state, 'elapsed': 100.0}, tmp_path / 'split' / 'state_0000003.pt')  # as if 100 s
-    train(TWO + ['--max_steps=6', '--init_from=resume'], tmp_path / 'split', data_dir, nproc=2)
-    assert_same_run(tmp_path / 'split', two)
-    assert torch.load(tmp_path / 'split' / 'state_0000006.pt', weights_only=False)['elapsed'] >= 100.0
+    # The run's state of step 3, as if it had stopped there after 100 s.
+    out = tmp_path / 'split'
+    shutil.copytree(two, out)
+    for f in ('ckpt.pt', 'ckpt_0000006.pt', 'state_0000006.pt'):
+        os.remove(out / f)
+    state = torch.load(out / 'state_0000003.pt', weights_only=False)
+    torch.save({**state, 'elapsed': 100.0}, out / 'state_0000003.pt')
+    train(TWO + ['--max_steps=6', '--init_from=resume'], out, data_dir, nproc=2)
+    assert_same_run(out, two)
+    assert torch.load(out / 'state_0000006.pt', weights_only=False)['elapsed'] >= 100.0
 
 
 def assert_same_run(out, reference):
@@ -295,17 +299,20 @@ def assert_same_run(out, reference):
 
 
 def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(data_dir, tmp_path):
-    # Table 3's rows (E) and (B) as settings: the learned table trains, and the checkpoints, their average and
-    # a resume carry it and the Config (h 3 x d_k 4 = 12, under d_model 32, which 3 does not divide).
-    common = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2', '--keep_state=2']
-    common += ['--dropout=0.1']
+    # Table 3's rows (E) and (B) as settings: the learned table trains, and the checkpoints, their
+    # average and a resume carry it and the Config (h 3 x d_k 4 = 12, under d_model 32, which 3
+    # does not divide).
+    common = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2',
+              '--keep_state=2', '--dropout=0.1']
     train(common + ['--max_steps=4'], tmp_path / 'a', data_dir)
     model, _, ckpt = checkpoint.load_checkpoint(str(tmp_path / 'a' / 'ckpt.pt'))
     assert (ckpt['model_cfg']['positions'], ckpt['model_cfg']['d_head']) == ('learned', 4)
     assert model.decoder[0].self_attn.qkv_proj.weight.shape == (3 * 12, 32)
-    two, four = params(tmp_path / 'a', 'ckpt_0000002.pt'), params(tmp_path / 'a', 'ckpt_0000004.pt')
+    two = params(tmp_path / 'a', 'ckpt_0000002.pt')
+    four = params(tmp_path / 'a', 'ckpt_0000004.pt')
     assert not torch.equal(two['pe'], four['pe'])
-    average = checkpoint.average_checkpoints([str(tmp_path / 'a' / f'ckpt_000000{s}.pt') for s in (2, 4)])
+    snapshots = [str(tmp_path / 'a' / f'ckpt_000000{s}.pt') for s in (2, 4)]
+    average = checkpoint.average_checkpoints(snapshots)
     assert_same_params(average, params(tmp_path / 'a', 'ckpt.pt'))
     shutil.copytree(tmp_path / 'a', tmp_path / 'b')
     for f in ('ckpt.pt', 'ckpt_0000004.pt', 'state_0000004.pt'):
@@ -314,32 +321,30 @@ def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(dat
     assert_same_params(params(tmp_path / 'b', 'ckpt_0000004.pt'), four)
 
 
-def test_a_used_out_dir_is_refused_unless_overwrite_which_waits_for_every_input(run, data_dir, tmp_path):
-    outs = [tmp_path / str(i) for i in range(3)]  # each its own copy: the refusals run at once
+def test_a_used_out_dir_is_refused_unless_overwrite_which_waits_for_every_input(run, data_dir,
+                                                                                tmp_path):
+    outs = [tmp_path / str(i) for i in range(4)]  # each its own copy: the runs go at once
     for out in outs:
         shutil.copytree(run[0], out)
-    # The used out_dir, then --overwrite with a mistake found later (a typo, too few batches): each refused.
+    # Fine-tuning from an out_dir's own checkpoint into it, starting over; meanwhile the used
+    # out_dir, then --overwrite with a mistake found later (a typo, too few batches): each refused.
+    tuned = outs[3]
+    fine_tune = start(['--max_steps=1', '--overwrite=True', f'--init_from={tuned / "ckpt.pt"}'],
+                      tuned, data_dir)
     err, _, _ = refused((['--max_steps=2'], outs[0], data_dir),
                         (['--max_steps=1', '--overwrite=True'], outs[1], tmp_path / 'typo'),
-                        (['--max_steps=1', '--overwrite=True', '--update_freq=1000'], outs[2], data_dir))
+                        (['--max_steps=1', '--overwrite=True', '--update_freq=1000'], outs[2],
+                         data_dir))
+    finish(fine_tune)
     assert str(outs[0]) in err and '--init_from=resume' in err and '--overwrite=True' in err
-    assert all(len(records(out, 'loss')) == 6 and os.path.exists(out / 'ckpt.pt') for out in outs)
-    out = outs[0]
-    # Fine-tuning from this out_dir's own checkpoint into it, starting over.
-    train(['--max_steps=1', '--overwrite=True', f'--init_from={out / "ckpt.pt"}'], out, data_dir)
-    assert [r['step'] for r in records(out, 'loss')] == [1]
-    assert checkpoint.checkpoints(str(out)) == [str(out / 'ckpt_0000001.pt')]
+    for out in outs[:3]:
+        assert len(records(out, 'loss')) == 6 and os.path.exists(out / 'ckpt.pt')
+    assert [r['step'] for r in records(tuned, 'loss')] == [1]
+    assert checkpoint.checkpoints(str(tuned)) == [str(tuned / 'ckpt_0000001.pt')]
 
 
 def test_a_run_into_an_out_dir_another_run_is_using_is_refused(data_dir, tmp_path):
-    cmd = [sys.executable, 'train.py'] + TINY + [f'--data_dir={data_dir}', f'--out_dir={tmp_path}']
-    first = subprocess.Popen(
-        cmd + ['--max_steps=100000'],
-        cwd=HERE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS='1'),
-    )
+    first = start(['--max_steps=100000'], tmp_path, data_dir)
     try:
         for line in first.stdout:  # training, so past every check of out_dir
             if line.startswith('step 1 '):
@@ -348,16 +353,19 @@ def test_a_run_into_an_out_dir_another_run_is_using_is_refused(data_dir, tmp_pat
         assert 'in use by another train.py run' in res.stderr
     finally:
         first.kill()
-        first.wait()
+        first.communicate()
 
 
 @pytest.fixture(scope='module')
-def other_data_dir(tmp_path_factory):  # the same sizes, another corpus: another BPE of as many tokens
+def other_data_dir(tmp_path_factory):
+    # The same sizes, another corpus: another BPE of as many tokens.
     return toy_corpus(tmp_path_factory.mktemp('other'), seed=1)
 
 
-def test_resume_or_fine_tune_with_another_tokenizer_is_refused(run, data_dir, other_data_dir, tmp_path):
-    assert dataset.load_meta(data_dir)['vocab_size'] == dataset.load_meta(other_data_dir)['vocab_size']
+def test_resume_or_fine_tune_with_another_tokenizer_is_refused(run, data_dir, other_data_dir,
+                                                               tmp_path):
+    vocab_size = dataset.load_meta(data_dir)['vocab_size']
+    assert vocab_size == dataset.load_meta(other_data_dir)['vocab_size']
     out = copy_run(run, tmp_path)
     resume, tune = refused(
         (['--init_from=resume'], out, other_data_dir),
@@ -368,16 +376,21 @@ def test_resume_or_fine_tune_with_another_tokenizer_is_refused(run, data_dir, ot
 
 
 def test_data_prepared_with_the_checkpoints_tokenizer_fine_tunes_it(run, tmp_path):
-    mine = toy_corpus(tmp_path, seed=1, tokenizer=run[0] / 'ckpt.pt')  # the README's recipe, another corpus
-    renamed = json.loads(open(os.path.join(mine, 'tokenizer.json')).read())
-    with open(os.path.join(mine, 'tokenizer.json'), 'w') as f:  # the name is a label, not the tokenizer
+    # The README's recipe, another corpus.
+    mine = toy_corpus(tmp_path, seed=1, tokenizer=run[0] / 'ckpt.pt')
+    path = os.path.join(mine, 'tokenizer.json')
+    with open(path) as f:
+        renamed = json.load(f)
+    with open(path, 'w') as f:  # the name is a label, not the tokenizer
         json.dump({**renamed, 'name': 'renamed'}, f)
     train(['--max_steps=1', f'--init_from={run[0] / "ckpt.pt"}'], tmp_path / 'b', mine)
 
 
-def test_fine_tune_starts_from_the_checkpoint_weights_with_a_fresh_optimizer(run, data_dir, tmp_path):
-    # lr 0: the new run's first state holds the source weights unchanged, at step 1, with a fresh optimizer.
-    # The settings' d_model (TINY's 32 and 48 here) is the checkpoint's to decide, and said.
+def test_fine_tune_starts_from_the_checkpoint_weights_with_a_fresh_optimizer(run, data_dir,
+                                                                             tmp_path):
+    # lr 0: the new run's first state holds the source weights unchanged, at step 1, with a fresh
+    # optimizer. The settings' d_model (TINY's 32 and 48 here) is the checkpoint's to decide, and
+    # said.
     args = ['--lr=0.0', '--d_model=48', '--n_heads=6', '--positions=learned']
     args += [f'--init_from={run[0] / "ckpt.pt"}']
     res = train(['--max_steps=1', '--save_interval=1'] + args, tmp_path / 'b', data_dir)
@@ -386,48 +399,52 @@ def test_fine_tune_starts_from_the_checkpoint_weights_with_a_fresh_optimizer(run
     assert new['config']['positions'] == new['model_cfg']['positions'] == 'sinusoidal'
     assert_same_params(params(run[0], 'ckpt.pt'), new['model'])
     assert all(s['step'].item() == 1 for s in new['optimizer']['state'].values())
-    train(['--max_steps=2', '--init_from=resume'] + args[:-1], tmp_path / 'b', data_dir)  # as it began
-    assert torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)['model_cfg']['d_model'] == 32
+    # As it began.
+    train(['--max_steps=2', '--init_from=resume'] + args[:-1], tmp_path / 'b', data_dir)
+    ckpt = torch.load(tmp_path / 'b' / 'ckpt.pt', weights_only=True)
+    assert ckpt['model_cfg']['d_model'] == 32
 
 
 def test_weight_decay_is_decoupled_and_spares_gains_and_biases(run, data_dir, tmp_path):
-    # One step from the same weights, the same batch and dropout, with and without decay: AdamW's decay
-    # takes lr * wd * w off each matrix and leaves the Adam step as it was (an L2 term would change it).
+    # One step from the same weights, the same batch and dropout, with and without decay: AdamW's
+    # decay takes lr * wd * w off each matrix and leaves the Adam step as it was (an L2 term would
+    # change it). The two runs go at once.
     lr, wd, init = 0.01, 0.5, run[0] / 'ckpt.pt'
-    args = ['--max_steps=1', '--schedule=constant', '--warmup=1', f'--lr={lr}', f'--init_from={init}']
+    args = ['--max_steps=1', '--schedule=constant', '--warmup=1', f'--lr={lr}',
+            f'--init_from={init}']
+    procs = []
     for w in (0.0, wd):
-        train(args + [f'--weight_decay={w}'], tmp_path / str(w), data_dir)
-    w0, plain, decayed = params(run[0], 'ckpt.pt'), params(tmp_path / '0.0', 'ckpt.pt'), params(
-        tmp_path / str(wd), 'ckpt.pt')
+        procs.append(start(args + [f'--weight_decay={w}'], tmp_path / str(w), data_dir))
+    for proc in procs:
+        finish(proc)
+    w0 = params(run[0], 'ckpt.pt')
+    plain = params(tmp_path / '0.0', 'ckpt.pt')
+    decayed = params(tmp_path / str(wd), 'ckpt.pt')
     for k, w in w0.items():
         took = plain[k] - decayed[k]
-        assert torch.allclose(took, lr * wd * w if w.dim() > 1 else torch.zeros_like(w), atol=1e-6), k
+        expected = torch.zeros_like(w)
+        if w.dim() > 1:
+            expected = lr * wd * w
+        assert torch.allclose(took, expected, atol=1e-6), k
 
 
-def test_resume_with_another_architecture_optimizer_or_batch_plan_is_refused(run, data_dir, tmp_path):
+def test_resume_with_another_architecture_optimizer_or_batch_plan_is_refused(run, data_dir,
+                                                                             tmp_path):
     out = copy_run(run, tmp_path)
-    # seed and max_tokens make the batch plan the saved position indexes: another would skip or repeat data
-    res = train(
-        [
-            '--max_steps=8',
-            '--init_from=resume',
-            '--d_model=64',
-            '--positions=learned',
-            '--weight_decay=0.1',
-            '--seed=7',
-            '--max_tokens=300',
-        ],
-        out,
-        data_dir,
-        ok=False,
-    )
-    for arg in ('d_model=64', "positions='learned'", 'weight_decay=0.1', 'seed=7', 'max_tokens=300'):
+    # seed and max_tokens make the batch plan the saved position indexes: another would skip or
+    # repeat data. checkpoint.check_resume's refusal, end to end.
+    args = ['--max_steps=8', '--init_from=resume', '--d_model=64', '--positions=learned',
+            '--weight_decay=0.1', '--seed=7', '--max_tokens=300']
+    res = train(args, out, data_dir, ok=False)
+    for arg in ('d_model=64', "positions='learned'", 'weight_decay=0.1', 'seed=7',
+                'max_tokens=300'):
         assert arg in res.stderr
     assert "(the run's:" in res.stderr and '--init_from=' in res.stderr
 
 
 def other_training_pairs(folder):
-    """The run's tokenizer, other training pairs (its validation set's), as data_prep.py would write them."""
+    """The run's tokenizer, other training pairs (its validation set's), as data_prep.py would
+    write them."""
     for ext in ('bin', 'idx'):
         for lang in ('xx', 'yy'):
             shutil.copy(folder / f'valid.{lang}.{ext}', folder / f'train.{lang}.{ext}')
@@ -436,40 +453,109 @@ def other_training_pairs(folder):
     (folder / 'meta.json').write_text(json.dumps(meta))
 
 
-def test_resume_on_other_training_data_is_refused_and_on_a_copy_goes_on(run, data_dir, tmp_path):
-    out = copy_run(run, tmp_path)
-    shutil.copytree(data_dir, tmp_path / 'copy')
-    train(['--max_steps=7', '--init_from=resume', '--dropout=0.1'], out, tmp_path / 'copy')
-    other_training_pairs(tmp_path / 'copy')  # prepared again in place, e.g. with another --max-len
-    res = train(['--max_steps=8', '--init_from=resume', '--dropout=0.1'], out, tmp_path / 'copy', ok=False)
-    assert 'other training pairs' in res.stderr and 'data_dir=' in res.stderr
+@pytest.fixture(scope='module')
+def resumed(run, data_dir, tmp_path_factory):
+    """The run resumed once for the four tests below: on a copy of its data, with update_freq 2 to
+    the first step of epoch 1, a ckpt_best.pt no later model can beat and a state as if two
+    processes had saved it -> (its out_dir, the data's copy, its stdout, epoch 0's last step)."""
+    folder = tmp_path_factory.mktemp('resumed')
+    out = copy_run(run, folder)
+    copy = folder / 'copy'
+    shutil.copytree(data_dir, copy)
+    state = torch.load(out / 'state_0000006.pt', weights_only=False)
+    torch.save({**state, 'rng': state['rng'] * 2}, out / 'state_0000006.pt')
+    best = torch.load(out / 'ckpt_best.pt', weights_only=False)
+    torch.save({**best, 'valid_bleu': 100.0}, out / 'ckpt_best.pt')
+    n = len(dataset.batch_plan(dataset.load_split(data_dir, 'train'), 256, 1337, 0))
+    last = 6 + (n - 6) // 2  # epoch 0's last step when batches 6, 7, ... are taken two at a time
+    args = [f'--max_steps={last + 1}', '--update_freq=2', '--init_from=resume', '--dropout=0.1',
+            '--bleu_interval=0']
+    res = train(args, out, copy)
+    return out, copy, res.stdout, last
+
+
+def test_resume_on_other_training_data_is_refused_and_on_a_copy_goes_on(resumed, tmp_path):
+    out, copy, stdout, last = resumed
+    assert 'resuming from' in stdout
+    assert [r['step'] for r in records(out, 'loss')][-1] == last + 1
+    # Prepared again in place, e.g. with another --max-len: checkpoint.check_resume in-process
+    # (another architecture shows its refusal end to end).
+    other = tmp_path / 'other'
+    shutil.copytree(copy, other)
+    other_training_pairs(other)
+    path = checkpoint.checkpoints(str(out), 'state')[-1]
+    state = torch.load(path, weights_only=False)
+    config = dict(state['config'], data_dir=str(other))
+    train_split = dataset.load_meta(other)['splits']['train']
+    check = checkpoint.check_resume
+    message = in_process_refusal(check, state, config, None, train_split, str(out))
+    assert 'other training pairs' in message and 'data_dir=' in message
+
+
+def test_resume_with_another_number_of_processes_says_dropout_is_reseeded(resumed):
+    _, _, stdout, _ = resumed
+    assert 'resumed by 1 process(es), saved by 2: dropout is reseeded' in stdout
+
+
+def test_resume_keeps_the_best_checkpoint_unless_a_better_one_comes(resumed):
+    out, _, _, _ = resumed
+    assert records(out, 'valid_bleu')[-1]['step'] > 6  # evaluated after the resume
+    assert torch.load(out / 'ckpt_best.pt', weights_only=False)['step'] == 6
+
+
+def test_resume_with_another_update_freq_continues_at_the_next_batch(resumed):
+    out, _, _, last = resumed
+    epochs = {r['step']: r['epoch'] for r in records(out, 'loss')}
+    assert (epochs[last], epochs[last + 1]) == (0, 1)
+
+
+def load_settings():
+    """train.py's settings and their defaults, read from its source (they end at config_keys)."""
+    with open(os.path.join(HERE, 'train.py')) as f:
+        tree = ast.parse(f.read())
+    settings = {}
+    for node in tree.body:
+        if not isinstance(node, ast.Assign) or not isinstance(node.targets[0], ast.Name):
+            continue
+        name = node.targets[0].id
+        if name == 'config_keys':
+            break
+        if not name.startswith('_'):
+            settings[name] = ast.literal_eval(node.value)
+    return settings
 
 
 def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_before_any_work(
-    data_dir, tmp_path
-):
-    sizes = dataset.pair_sizes(dataset.load_split(data_dir, 'train'))
-    cases = [
-        (['--max_steps=ten'], 'max_steps must be int'),
-        (['--dropout=1.5'], 'dropout must be in [0, 1)'),
-        (['--n_heads=3'], 'n_heads must be a divisor of d_model'),
-        (['--positions=rotary'], "positions must be 'sinusoidal' or 'learned'"),
-        (['--data_dir=nowhere/wmt14_en_fr'], 'no prepared data in nowhere/wmt14_en_fr: prepare it'),
-        ([f'--max_tokens={sizes.min() - 1}'], f'raise it to at least {sizes.min()}'),
-        (['--max_len=8'], 'max_len=8'),
-        (['--cuda_graphs=True', '--device=cpu'], 'cuda_graphs needs a GPU'),
-        (['--master_weights=True'], 'master_weights must be False with dtype float32'),  # TINY's dtype
-    ]
-    errs = refused(*[(a, tmp_path / str(i), data_dir) for i, (a, _) in enumerate(cases)])
-    for (_, message), err in zip(cases, errs):
-        assert message in err, err
-    assert not any(os.path.exists(tmp_path / str(i) / 'log.jsonl') for i in range(len(cases)))
+        data_dir, tmp_path):
+    # Each check in-process, as train.py calls it; the last before the model is built end to end.
+    settings = load_settings()
+    message = in_process_refusal(configurator.override, dict(settings), ['--max_steps=ten'])
+    assert 'max_steps must be int' in message
+    mistakes = [('--dropout=1.5', 'dropout must be in [0, 1)'),
+                ('--n_heads=3', 'n_heads must be a divisor of d_model'),
+                ('--positions=rotary', "positions must be 'sinusoidal' or 'learned'")]
+    for flag, expected in mistakes:
+        config = configurator.override(dict(settings), [*TINY, flag])
+        assert expected in in_process_refusal(configurator.check_ranges, config)
+    message = in_process_refusal(dataset.open_prepared, 'nowhere/wmt14_en_fr')
+    assert 'no prepared data in nowhere/wmt14_en_fr: prepare it' in message
+    splits = {'training': dataset.load_split(data_dir, 'train'),
+              'validation': dataset.load_split(data_dir, 'valid')}
+    smallest = dataset.pair_sizes(splits['training']).min()
+    message = in_process_refusal(dataset.check_sizes, splits, smallest - 1, 1024, data_dir, print)
+    assert f'raise it to at least {smallest}' in message
+    problem = speed.check_settings('cpu', 'float32', True, False, 1, False, 8)
+    assert 'cuda_graphs needs a GPU' in problem
+    problem = speed.check_settings('cpu', 'float32', False, True, 1, False, 8)  # TINY's dtype
+    assert 'master_weights must be False with dtype float32' in problem
+    (err,) = refused((['--max_len=8'], tmp_path, data_dir))
+    assert 'max_len=8' in err
+    assert not os.path.exists(tmp_path / 'log.jsonl')
 
 
 def test_a_streak_of_non_finite_updates_stops_the_run(data_dir, tmp_path):
-    res = train(
-        ['--max_steps=20', '--lr=1e38', '--warmup=1', '--max_bad_steps=3'], tmp_path, data_dir, ok=False
-    )
+    args = ['--max_steps=20', '--lr=1e38', '--warmup=1', '--max_bad_steps=3']
+    res = train(args, tmp_path, data_dir, ok=False)
     assert 'non-finite updates in a row' in res.stderr
 
 
@@ -477,40 +563,16 @@ def test_resume_counts_the_training_time_already_spent(run, data_dir, tmp_path):
     out = copy_run(run, tmp_path)
     state = torch.load(out / 'state_0000006.pt', weights_only=False)
     assert 0 < state['elapsed'] < 300
-    torch.save({**state, 'elapsed': 600.0}, out / 'state_0000006.pt')  # as if it had trained 10 minutes
-    res = train(['--max_steps=50', '--max_minutes=5.0', '--init_from=resume', '--dropout=0.1'], out, data_dir)
+    # As if it had trained 10 minutes.
+    torch.save({**state, 'elapsed': 600.0}, out / 'state_0000006.pt')
+    args = ['--max_steps=50', '--max_minutes=5.0', '--init_from=resume', '--dropout=0.1']
+    res = train(args, out, data_dir)
     assert checkpoint.checkpoints(str(out))[-1].endswith('6.pt') and 'step 7 ' not in res.stdout
-
-
-def test_resume_with_another_number_of_processes_says_dropout_is_reseeded(run, data_dir, tmp_path):
-    out = copy_run(run, tmp_path)
-    state = torch.load(out / 'state_0000006.pt', weights_only=False)
-    torch.save({**state, 'rng': state['rng'] * 2}, out / 'state_0000006.pt')  # as if 2 processes saved it
-    res = train(['--max_steps=6', '--init_from=resume', '--dropout=0.1'], out, data_dir)
-    assert 'resumed by 1 process(es), saved by 2: dropout is reseeded' in res.stdout
-
-
-def test_resume_keeps_the_best_checkpoint_unless_a_better_one_comes(run, data_dir, tmp_path):
-    out = copy_run(run, tmp_path)
-    best = torch.load(out / 'ckpt_best.pt', weights_only=False)
-    torch.save({**best, 'valid_bleu': 100.0}, out / 'ckpt_best.pt')  # one no later model can beat
-    train(['--max_steps=7', '--bleu_interval=0', '--init_from=resume', '--dropout=0.1'], out, data_dir)
-    assert torch.load(out / 'ckpt_best.pt', weights_only=False)['step'] == 6
-
-
-def test_resume_with_another_update_freq_continues_at_the_next_batch(run, data_dir, tmp_path):
-    out = copy_run(run, tmp_path)
-    n = len(dataset.batch_plan(dataset.load_split(data_dir, 'train'), 256, 1337, 0))
-    last = 6 + (n - 6) // 2  # epoch 0's last step when batches 6, 7, ... are taken two at a time
-    train(
-        [f'--max_steps={last + 1}', '--update_freq=2', '--init_from=resume', '--dropout=0.1'], out, data_dir
-    )
-    epochs = {r['step']: r['epoch'] for r in records(out, 'loss')}
-    assert (epochs[last], epochs[last + 1]) == (0, 1)
 
 
 def test_training_steps_between_log_lines_read_nothing_back_from_the_device(data_dir, tmp_path):
     # Host syncs (.item(), bool() of a tensor) stop a GPU from running ahead: count them per run.
+    # The two runs go at once.
     wrapper = (
         "import os, runpy, sys, torch\n"
         "n = [0]\n"
@@ -526,53 +588,49 @@ def test_training_steps_between_log_lines_read_nothing_back_from_the_device(data
         "os._exit = lambda code: print('host reads', n[0], flush=True) or leave(code)\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
     )
-    reads = []
+    procs = []
     for steps in (4, 12):
-        res = train(
-            [f'--max_steps={steps}', f'--log_interval={steps}'],
-            tmp_path / str(steps),
-            data_dir,
-            launcher=[sys.executable, '-c', wrapper],
-        )
-        reads.append(int(res.stdout.split('host reads')[-1]))
+        args = [f'--max_steps={steps}', f'--log_interval={steps}']
+        launcher = [sys.executable, '-c', wrapper]
+        procs.append(start(args, tmp_path / str(steps), data_dir, launcher=launcher))
+    reads = [int(finish(proc).stdout.split('host reads')[-1]) for proc in procs]
     assert reads[0] == reads[1]
 
 
 def test_compiled_training_does_not_recompile_per_batch_shape(data_dir, tmp_path):
-    # Token batches change shape every step: compiled per layer with dynamic shapes (as bench.py times it),
-    # train.py must not compile per shape, nor fall back to eager at dynamo's recompile limit (an error here).
-    # The backend is dynamo's 'eager': capture and guards, which decide recompiles, are inductor's too.
+    # Token batches change shape every step: compiled per layer with dynamic shapes (as bench.py
+    # times it), train.py must not compile per shape, nor fall back to eager at dynamo's recompile
+    # limit (an error here). The backend is dynamo's 'eager': capture and guards, which decide
+    # recompiles, are inductor's too.
     wrapper = (
         "import runpy, sys, torch\n"
         "from torch._dynamo.utils import counters\n"
         "torch._dynamo.config.fail_on_recompile_limit_hit = True\n"
         "compile, module_compile = torch.compile, torch.nn.Module.compile\n"
         "torch.compile = lambda fn, **kw: compile(fn, **{**kw, 'backend': 'eager'})\n"
-        "torch.nn.Module.compile = lambda self, **kw: module_compile(self, **{**kw, 'backend': 'eager'})\n"
+        "torch.nn.Module.compile = lambda self, **kw: module_compile(self,"
+        " **{**kw, 'backend': 'eager'})\n"
         "import builtins\n"  # each line it prints says how many graphs were compiled by then
         "say = print\n"
-        "builtins.print = lambda *a, **k: say(*a, 'graphs', counters['stats']['unique_graphs'], **k)\n"
+        "builtins.print = lambda *a, **k: say(*a, 'graphs', counters['stats']['unique_graphs'],"
+        " **k)\n"
         "sys.argv = sys.argv[1:]\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
     )
-    res = train(
-        ['--max_steps=40', '--compile=True', '--eval_interval=4', '--bleu_interval=0'],
-        tmp_path,
-        data_dir,
-        launcher=[sys.executable, '-c', wrapper],
-    )
-    graphs = [
-        int(line.split('graphs')[-1])
-        for line in res.stdout.splitlines()
-        if line.startswith(('step 8 ', 'step 40 '))
-    ]
+    args = ['--max_steps=40', '--compile=True', '--eval_interval=4', '--bleu_interval=0']
+    res = train(args, tmp_path, data_dir, launcher=[sys.executable, '-c', wrapper])
+    graphs = []
+    for line in res.stdout.splitlines():
+        if line.startswith(('step 8 ', 'step 40 ')):
+            graphs.append(int(line.split('graphs')[-1]))
     data = dataset.load_split(data_dir, 'train')
     plan = dataset.batch_plan(data, 256, 1337, 0)
-    shapes = [
-        {tuple(a.shape) for ids in plan[:n] for a in dataset.collate(data, ids, 0, 1, 2)[:2]}
-        for n in (8, 40)
-    ]
-    assert len(shapes[1]) > len(shapes[0]) and graphs[0] == graphs[1] <= 8, (graphs, shapes)
+    shapes = []
+    for n in (8, 40):
+        batches = [dataset.collate(data, ids, 0, 1, 2)[:2] for ids in plan[:n]]
+        shapes.append({tuple(a.shape) for batch in batches for a in batch})
+    assert len(shapes[1]) > len(shapes[0]), (graphs, shapes)
+    assert graphs[0] == graphs[1] <= 8, (graphs, shapes)
 
 
 def test_batches_are_prefetched_in_order_by_a_background_thread():
@@ -590,13 +648,15 @@ def test_batches_are_prefetched_in_order_by_a_background_thread():
 
     got = prefetched(items())
     assert [next(got) for _ in range(4)] == [0, 1, 2, 3]
-    assert last.wait(timeout=60)  # the item after the one in hand is made meanwhile, in another thread
+    # The item after the one in hand is made meanwhile, in another thread.
+    assert last.wait(timeout=60)
     assert made == [(i, False) for i in range(5)]
 
 
 def load_function(name, **scope):
     """A function of train.py with the globals given, without running the script around it."""
-    tree = ast.parse(open(os.path.join(HERE, 'train.py')).read())
+    with open(os.path.join(HERE, 'train.py')) as f:
+        tree = ast.parse(f.read())
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
     exec(compile(ast.Module(body=[fn], type_ignores=[]), 'train.py', 'exec'), scope)
     return scope[name]
@@ -607,9 +667,8 @@ def load_override():
 
 
 def test_numbers_given_for_a_text_setting_are_kept_as_text():
-    config = load_override()(
-        {'out_dir': 'out/x', 'dtype': 'auto', 'max_steps': 10}, ['--out_dir=2024', "--dtype='float32'"]
-    )
+    settings = {'out_dir': 'out/x', 'dtype': 'auto', 'max_steps': 10}
+    config = load_override()(settings, ['--out_dir=2024', "--dtype='float32'"])
     assert config == {'out_dir': '2024', 'dtype': 'float32', 'max_steps': 10}
 
 
@@ -619,16 +678,12 @@ def test_a_config_file_reads_the_settings_so_far_may_import_and_yields_to_flags(
         'import math\nd_model = 64\nd_ff = 4 * d_model\n'
         'warmup = max(w * 2 for w in [int(math.sqrt(d_model))])\n'
     )
-    config = override(
-        {'d_model': 512, 'd_ff': 2048, 'warmup': 4000, 'lr': 1.0}, [str(tmp_path / 'c.py'), '--lr=2']
-    )
+    settings = {'d_model': 512, 'd_ff': 2048, 'warmup': 4000, 'lr': 1.0}
+    config = override(dict(settings), [str(tmp_path / 'c.py'), '--lr=2'])
     assert config == {'d_model': 64, 'd_ff': 256, 'warmup': 16, 'lr': 2.0}
-    config = override(
-        {'d_model': 512, 'd_ff': 2048, 'warmup': 4000, 'lr': 1.0}, ['--d_model=32', str(tmp_path / 'c.py')]
-    )
-    assert (
-        config['d_model'] == 32 and config['d_ff'] == 256
-    )  # a flag wins wherever it stands; the file saw 64
+    config = override(dict(settings), ['--d_model=32', str(tmp_path / 'c.py')])
+    # A flag wins wherever it stands; the file saw 64.
+    assert config['d_model'] == 32 and config['d_ff'] == 256
 
 
 @pytest.mark.parametrize(
@@ -647,9 +702,8 @@ def test_config_file_mistakes_name_the_file_the_line_and_the_key(tmp_path, text,
 
 
 def load_get_lr(**settings):
-    return load_function(
-        'get_lr', sys=sys, **{'cooldown': 0.0, 'max_minutes': 0.0, 'max_steps': 10**6, **settings}
-    )
+    budget = {'cooldown': 0.0, 'max_minutes': 0.0, 'max_steps': 10**6}
+    return load_function('get_lr', sys=sys, **{**budget, **settings})
 
 
 def test_noam_schedule_matches_paper_formula():
@@ -678,19 +732,18 @@ def test_constant_schedule_warms_up_then_holds_lr_until_the_cooldown():
 
 
 def test_cooldown_takes_the_lr_linearly_to_zero_by_the_budget_that_ends_the_run_first():
-    get_lr = load_get_lr(schedule='inverse_sqrt', lr=1e-3, warmup=100, cooldown=0.25, max_minutes=10.0)
+    get_lr = load_get_lr(schedule='inverse_sqrt', lr=1e-3, warmup=100, cooldown=0.25,
+                         max_minutes=10.0)
     assert get_lr(400, elapsed=0) == pytest.approx(5e-4)
     assert get_lr(400, elapsed=450) == pytest.approx(5e-4)  # 7.5 of 10 minutes: cooldown starts
     assert get_lr(400, elapsed=525) == pytest.approx(2.5e-4)
     assert get_lr(400, elapsed=600) == 0.0 and get_lr(400, elapsed=700) == 0.0
-    get_lr = load_get_lr(
-        schedule='inverse_sqrt', lr=1e-3, warmup=100, cooldown=0.5, max_steps=800, max_minutes=600.0
-    )
+    get_lr = load_get_lr(schedule='inverse_sqrt', lr=1e-3, warmup=100, cooldown=0.5,
+                         max_steps=800, max_minutes=600.0)
     assert get_lr(400, elapsed=60) == pytest.approx(5e-4)  # half of max_steps: cooldown starts
     assert get_lr(800, elapsed=60) == 0.0
-    assert get_lr(400, elapsed=600 * 60 * 0.75) == pytest.approx(
-        2.5e-4
-    )  # the clock is further along: it rules
+    # The clock is further along: it rules.
+    assert get_lr(400, elapsed=600 * 60 * 0.75) == pytest.approx(2.5e-4)
 
 
 def test_cpu_dropout_keeps_each_element_with_1_minus_p_and_rescales():
@@ -699,31 +752,43 @@ def test_cpu_dropout_keeps_each_element_with_1_minus_p_and_rescales():
     torch.manual_seed(0)
     y = drop.train()(x)
     kept = y != 0
-    assert abs(kept.float().mean().item() - 0.8) < 0.005 and torch.allclose(y[kept], torch.tensor(1.25))
+    assert abs(kept.float().mean().item() - 0.8) < 0.005
+    assert torch.allclose(y[kept], torch.tensor(1.25))
     y.sum().backward()
     assert torch.equal(x.grad, y.detach())  # the gradient goes through the same mask and scale
     assert drop.eval()(x) is x and drop.train()(x.detach().bfloat16()).dtype == torch.bfloat16
 
 
-def copies_of_rank(rank, port, master_weights, out):
+def copies_of_rank(rank, port, out):
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
     torch.distributed.init_process_group('gloo', rank=rank, world_size=2)
-    torch.manual_seed(rank)  # as train.py: each rank draws its own initialisation
-    model = M.Transformer(M.Config(vocab_size=40, n_enc_layers=1, n_dec_layers=1, d_model=16,
-                                   d_ff=32, n_heads=2))
-    train_model, _ = speed.training_model(model, True, master_weights, 'bfloat16', False, False)
-    torch.save([p.detach().clone() for p in train_model.parameters()], f'{out}.{rank}')
+    cfg = M.Config(vocab_size=40, n_enc_layers=1, n_dec_layers=1, d_model=16, d_ff=32, n_heads=2)
+    for master_weights in (False, True):
+        torch.manual_seed(rank)  # as train.py: each rank draws its own initialisation
+        model = M.Transformer(cfg)
+        train_model, _ = speed.training_model(model, True, master_weights, 'bfloat16', False,
+                                              False)
+        weights = [p.detach().clone() for p in train_model.parameters()]
+        torch.save(weights, f'{out}.{master_weights}.{rank}')
     torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope='module')
+def copies(tmp_path_factory):
+    """The weights each of two ranks steps from, without and with master_weights (one spawn for
+    both) -> the files' common prefix."""
+    out = str(tmp_path_factory.mktemp('copies') / 'weights')
+    torch.multiprocessing.spawn(copies_of_rank, args=(free_port(), out), nprocs=2)
+    return out
 
 
 @pytest.mark.parametrize('master_weights', [False, True])
 def test_every_rank_steps_from_rank_0s_weights_with_or_without_master_weights(master_weights,
-                                                                               tmp_path):
-    # cuda_graphs replaces DDP's wrapper, whose constructor broadcasts: train.py's own broadcast must
-    # come first, before the bf16 copy of master_weights is taken.
-    out = str(tmp_path / 'weights')
-    torch.multiprocessing.spawn(copies_of_rank, args=(free_port(), master_weights, out), nprocs=2)
-    first, second = torch.load(f'{out}.0'), torch.load(f'{out}.1')
+                                                                               copies):
+    # cuda_graphs replaces DDP's wrapper, whose constructor broadcasts: train.py's own broadcast
+    # must come first, before the bf16 copy of master_weights is taken.
+    first = torch.load(f'{copies}.{master_weights}.0')
+    second = torch.load(f'{copies}.{master_weights}.1')
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     if master_weights:
         assert first[0].dtype == torch.bfloat16

@@ -34,7 +34,6 @@ import dataset
 import decode
 import model as M
 import speed
-import translate as T
 
 # Configs beyond model.preset: 'small' is Multi30k-sized (what one trains on a laptop), 'tiny' is
 # for tests.
@@ -279,7 +278,7 @@ def bench_decode(cfg, src, dtype, beam, device, out_len):
     rows = []
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     # with packed weights, as translate.py decodes (they change nothing for the CT2 rows)
-    with autocast, T.packed_weights(model):
+    with autocast, speed.packed_weights(model):
         for name, how, fn in runs + ct2_runs(model, src, beam, out_len, device):
             fn()  # warm-up: allocator, thread pools
             out, dt = timed(fn, device)

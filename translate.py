@@ -16,11 +16,10 @@ import os
 import re
 import sys
 import time
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import nullcontext, suppress
 
 import numpy as np
 import torch
-import torch.nn as nn
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
@@ -29,68 +28,8 @@ import data_prep
 import dataset
 import export_ct2
 import decode
-import model as M
 import speed
 from checkpoint import fail
-
-# -----------------------------------------------------------------------------------------------
-# prepacked weights for CPU decoding
-
-
-def can_pack(model):
-    """Whether packed_weights applies: a float32 torch model on the CPU, run without autograd or
-    autocast, on a PyTorch build that has the private oneDNN ops (where absent: F.linear)."""
-    if not isinstance(model, nn.Module):
-        return False
-    weight = model.embed.weight
-    if weight.device.type != 'cpu' or weight.dtype != torch.float32:
-        return False
-    if torch.is_grad_enabled() or torch.is_autocast_enabled('cpu'):
-        return False
-    return hasattr(torch.ops.mkldnn, '_reorder_linear_weight')
-
-
-@contextmanager
-def packed_weights(model, reuse=None):
-    """Within it, a float32 CPU model multiplies with weights prepacked for oneDNN, where eager
-    PyTorch uses MKL: 1.1-2x faster decoding on some CPUs (docs/serving.md). `reuse`, a dict the
-    caller keeps across calls, keeps the copies for the next entry, repacking a weight changed in
-    between."""
-    if not can_pack(model):
-        yield
-        return
-    if reuse is None:
-        reuse = {}
-
-    def packed(weight, bias=None, op='none'):
-        # Keyed on the storage and its version, which every in-place change bumps.
-        key = (weight.data_ptr(), weight._version)
-        kept = reuse.get(id(weight))
-        if kept is None or kept[0] != key:
-            reuse[id(weight)] = key, torch.ops.mkldnn._reorder_linear_weight(weight)
-        pack = reuse[id(weight)][1]
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, pack, bias, op, [], '')
-
-    def fused_ffn(ffn):
-        # oneDNN applies the ReLU as it writes W1's product, not in another pass.
-        w1 = packed(ffn.w1.weight, ffn.w1.bias, 'relu')
-        return lambda x: ffn.w2(w1(x))
-
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    ffns = [m for m in model.modules() if isinstance(m, M.FeedForward)]
-    try:
-        for m in linears:
-            m.forward = packed(m.weight, m.bias)
-        for f in ffns:
-            f.forward = fused_ffn(f)
-        model.output = packed(model.embed.weight)
-        yield
-    finally:
-        # The instance attributes go, and the classes' forward and output are seen again.
-        for m in linears + ffns:
-            m.__dict__.pop('forward', None)
-        model.__dict__.pop('output', None)
-
 
 # -----------------------------------------------------------------------------------------------
 # translation
@@ -179,14 +118,14 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
         stats['src_tokens'] += sum(map(len, srcs.values()))
     done = {}  # line index -> hypotheses, until every line before it is out
     nxt = 0  # the next line to yield
-    packs = {}  # packed_weights' copies, kept across batches
+    packs = {}  # speed.packed_weights' copies, kept across batches
     was_training = model.training
     model.eval()
     try:
         for batch in [[]] + batches:  # the empty first batch emits any leading empty lines at once
             if batch:
                 src = padded(srcs, batch, cfg.pad_id, device)
-                packing = packed_weights(model, packs) if pack else nullcontext()
+                packing = speed.packed_weights(model, packs) if pack else nullcontext()
                 # no_grad, autocast and packed weights only around the work: a generator must not
                 # leak them to the caller (who may train the model between two lines).
                 with torch.no_grad(), autocast, packing:
@@ -462,7 +401,7 @@ def main(argv=None):
         torch.backends.cuda.enable_cudnn_sdp(False)
     model, enc, ckpt = load_model(args, ct2)
     if args.compile:
-        # Frozen weights are constants that inductor prepacks on a CPU, as packed_weights does.
+        # Frozen weights are constants that inductor prepacks on a CPU (as speed.packed_weights).
         import torch._inductor.config as inductor
         inductor.freezing = True
         model.decode = torch.compile(model.decode, dynamic=True)

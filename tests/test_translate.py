@@ -431,13 +431,13 @@ def test_packed_weights_decode_as_the_plain_model_and_are_removed_on_exit(toy, m
     n = len(seen)
     assert packed == list(T.translate_lines(model, toy['enc'], toy['lines'], pack=False))
     assert not any(seen[n:])
-    with torch.no_grad(), pytest.raises(KeyError), T.packed_weights(model):
+    with torch.no_grad(), pytest.raises(KeyError), speed.packed_weights(model):
         assert patched(model)
         raise KeyError  # gone after an error too
     assert not patched(model)
-    with T.packed_weights(model):  # autograd (training) never takes the packed path
+    with speed.packed_weights(model):  # autograd (training) never takes the packed path
         assert not patched(model)
-    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16), T.packed_weights(model):
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16), speed.packed_weights(model):
         assert not patched(model)  # nor autocast
 
 
@@ -459,13 +459,13 @@ def test_packed_weights_are_reused_until_a_weight_changes(monkeypatch):
     tgt, w1 = torch.randint(3, 24, (1, 4)), m.decoder[0].ffn.w1.weight
     with torch.no_grad():
         for _ in range(2):
-            with T.packed_weights(m, reuse):
+            with speed.packed_weights(m, reuse):
                 pass
         n = len(packs)  # each packed once: the Linear layers' weights and the output matrix
         assert n == len(set(packs)) == sum(isinstance(x, torch.nn.Linear) for x in m.modules()) + 1
         w1.mul_(2)  # in place, as an optimizer step
         plain = m.output(m.decode(tgt, memory, src_mask))
-        with T.packed_weights(m, reuse):
+        with speed.packed_weights(m, reuse):
             assert packs[n:] == [id(w1)]  # that weight alone packed again, and used
             packed = m.output(m.decode(tgt, memory, src_mask))
             torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)

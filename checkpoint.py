@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import fields
+import dataclasses
 
 import torch
 
@@ -87,6 +87,9 @@ def lock_folder(folder, busy=None):
 
 # --- the run folder of train.py ------------------------------------------------------------------
 
+# What a training state holds beside a weights snapshot's keys.
+TRAINING_KEYS = ('optimizer', 'scaler', 'epoch', 'rng', 'next_batch', 'best_bleu', 'elapsed',
+                 'train_split')
 RUN_FILE = re.compile(r'log\.jsonl|(ckpt|state)\w*\.pt')
 held_locks = []  # open until the process ends
 
@@ -232,7 +235,7 @@ def check_resume(state, config, fine_tuned_from, train_split, out_dir):
     """A run goes on as it began: its architecture (a fine-tuned run's is its checkpoint's, said
     anyway), optimizer, batch plan and training pairs; other settings (max_steps, lr) may change."""
     fixed = ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens']
-    for f in fields(M.Config):
+    for f in dataclasses.fields(M.Config):
         if f.name in config and (not fine_tuned_from or 'drop' in f.name):
             fixed.append(f.name)
     changed = []
@@ -248,6 +251,43 @@ def check_resume(state, config, fine_tuned_from, train_split, out_dir):
         sys.exit(f"init_from='resume' continues {out_dir} as it began, but these settings differ: "
                  f"{', '.join(changed)}; drop them, or start anew with "
                  f"--init_from={out_dir}/ckpt.pt")
+
+
+def architecture_of(model_cfg, config):
+    """The settings of a checkpoint's architecture that differ from config's: fine-tuning keeps the
+    checkpoint's, and the config saved with each checkpoint must be the model's."""
+    arch = {}
+    for key, value in dataclasses.asdict(model_cfg).items():
+        if key in config and config[key] != value:
+            arch[key] = value
+    return arch
+
+
+def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_type):
+    """Put a training state's optimizer, loss scaler and random generators back, and clear what a
+    killed run left in out_dir. -> its step, epoch, next batch, training seconds and best BLEU."""
+    step = state['step']
+    load_optimizer_state(optimizer, state, path)
+    if state['scaler'] and scaler.is_enabled():  # else the scaler is off and its state empty
+        scaler.load_state_dict(state['scaler'])
+    if not restore_rng(state['rng'], rank, world, device_type):
+        # The generators were saved per rank: another number of ranks cannot go on with them.
+        torch.manual_seed(seed + rank + 1000003 * step)
+        if rank == 0:
+            print(f"resumed by {world} process(es), saved by {len(state['rng'])}: "
+                  f"dropout is reseeded")
+    if rank == 0:
+        remove_partial_saves(out_dir)
+        trim_log(out_dir, step)
+        snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
+        if not os.path.exists(snapshot):  # killed between the state and its snapshot
+            weights = {}
+            for key, value in state.items():
+                if key not in TRAINING_KEYS:
+                    weights[key] = value
+            save_atomic(weights, snapshot)
+    best_bleu = max(state['best_bleu'], best_bleu_in(out_dir))
+    return step, state['epoch'], state['next_batch'], state['elapsed'], best_bleu
 
 
 def load_optimizer_state(optimizer, state, path):

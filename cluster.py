@@ -15,9 +15,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 stop = {'signal': None}  # the name of the first stop signal this process received
 
 
-def start(device, ddp_timeout_minutes):
+def start(device, ddp_timeout_minutes, out_dir):
     """-> ddp, rank, world, device of this process (a GPU of its own under torchrun), and a gloo
-    group for the small agreements on the host (the default group where that is gloo already)."""
+    group for the small agreements on the host (the default group where that is gloo already).
+    Every node must see the same out_dir, and a rank that fails ends the others in one line."""
     if 'RANK' not in os.environ:
         return False, 0, 1, device, None
     rank = int(os.environ['RANK'])
@@ -34,6 +35,8 @@ def start(device, ddp_timeout_minutes):
     else:
         dist.init_process_group('gloo', timeout=timeout, store=store, rank=rank, world_size=world)
         host_group = None
+    check_shared_out_dir(out_dir, rank, host_group)
+    sys.excepthook = one_line_when_a_rank_fails
     return True, rank, world, device, host_group
 
 

@@ -159,6 +159,42 @@ def batch_plan(data, max_tokens, seed, epoch, shuffle=True):
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
+def updates(data, max_tokens, seed, n, epoch, batch_idx):
+    """-> the updates of n batches each (processes x update_freq) from batch_plan's epochs, from
+    batch batch_idx of epoch on; a training set of fewer than n batches is refused at once."""
+    plan = batch_plan(data, max_tokens, seed, epoch)
+    if n > len(plan):
+        sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, "
+                 f"fewer than the {n} an update needs (processes x update_freq)")
+    return each_update(data, plan, max_tokens, seed, n, epoch, batch_idx)
+
+
+def each_update(data, plan, max_tokens, seed, n, epoch, batch_idx):
+    """Yields epoch, the next batch_idx, the update's target tokens (+ EOS: what the loss counts)
+    and its n batches. The last batches of an epoch that do not fill an update are left out."""
+    tgt_len = np.diff(data[3]) + 1
+    while True:
+        for start in range(batch_idx, len(plan) - n + 1, n):
+            update = plan[start:start + n]
+            ntok = sum(int(tgt_len[ids].sum()) for ids in update)
+            yield epoch, start + n, ntok, update
+        epoch += 1
+        batch_idx = 0
+        plan = batch_plan(data, max_tokens, seed, epoch)
+
+
+def sources(data, rank, world, max_len, eos_id):
+    """{pair index: source ids + EOS} of every world-th pair from rank on, but the empty ones and
+    those over max_len: what validation BLEU translates."""
+    tok, idx = data[0], data[1]
+    srcs = {}
+    for i in range(rank, len(idx) - 1, world):
+        n = idx[i + 1] - idx[i]
+        if 0 < n < max_len:
+            srcs[i] = tok[idx[i]:idx[i + 1]].tolist() + [eos_id]
+    return srcs
+
+
 def padded_side(tok, idx, ids, pad_id):
     """One side of pairs ids: a row of int64 tokens per pair, padded to the longest + 1; and the
     lengths."""

@@ -5,10 +5,27 @@ plot.py and export_ct2.py's CTranslate2 model all decode by these rules.
 """
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+import dataset
 import model as M
+
+
+def length_batches(srcs, max_tokens):
+    """The keys of srcs ({key: source ids}) in batches of at most max_tokens padded source tokens,
+    longest first: padding stays small, and a batch too large for memory fails at once, not last."""
+    ids = list(srcs)
+    sizes = np.array([len(srcs[i]) for i in ids], dtype=np.int64)
+    order = np.argsort(-sizes, kind='stable')
+    return [[ids[j] for j in batch] for batch in dataset.token_batches(sizes, order, max_tokens)]
+
+
+def padded(srcs, batch, pad_id, device):
+    longest = len(srcs[batch[0]])  # the batch's first source: batches are sorted longest first
+    rows = [srcs[i] + [pad_id] * (longest - len(srcs[i])) for i in batch]
+    return torch.tensor(rows, device=device)
 
 
 def length_penalty(length, alpha):  # Wu et al. (2016), as the paper: lp(Y) = ((5 + |Y|) / 6)^alpha

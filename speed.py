@@ -1,7 +1,7 @@
 """
 How fast a step runs, never what it computes. In the order train.py meets them:
-- fast_dtype and check_settings: bf16 only where it is native, and what each speed path needs,
-  said before any work;
+- resolve_device, fast_dtype and check_settings: a GPU where there is one, bf16 only where it is
+  native, and what each speed path needs, said before any work;
 - configure_backends: the CPU's malloc policy, flash attention's switch, on a GPU TF32 and no
   cuDNN attention; cpu_dropout, a faster dropout mask; packed_weights, oneDNN-prepacked weights
   for decoding on a CPU;
@@ -14,6 +14,7 @@ docs/performance.md has the measurements behind each.
 import copy
 import ctypes
 import math
+import sys
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -39,6 +40,24 @@ def fast_dtype(device_type):
         if is_supported is not None and is_supported():
             return 'bfloat16'
     return 'float32'
+
+
+def resolve_device(device, dtype, log):
+    """-> device and dtype with 'auto' resolved: a GPU where torch sees one, bf16 where it is
+    native. A GPU asked for and absent: one line; bf16 asked for where it is emulated: a warning."""
+    if device == 'auto':
+        device = 'cpu'
+        if torch.cuda.is_available():
+            device = 'cuda'
+    device_type = device.split(':')[0]
+    if device_type == 'cuda' and not torch.cuda.is_available():
+        sys.exit(f"device={device!r} but torch sees no GPU (device='auto' picks one when there is)")
+    if dtype == 'auto':
+        dtype = fast_dtype(device_type)
+    elif dtype == 'bfloat16' and fast_dtype(device_type) != 'bfloat16':
+        log(f"warning: this {device_type} has no native bfloat16 matrix multiply: "
+            f"far slower than float32")
+    return device, dtype
 
 
 def check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
@@ -317,7 +336,7 @@ class Graphed:
         self.model = model
         self.graphs = {}
 
-    def __call__(self, src, tgt, rows, sides):  # -> the decoder states at rows, as model(...) gives
+    def __call__(self, src, tgt, rows, *sides):  # the decoder states at rows, as model(...)
         s, t = sides
         inputs = (src, tgt, s.cu, s.pos, t.cu, t.pos)
         key = (src.size(1), len(s.cu), s.max_len)

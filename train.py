@@ -14,7 +14,6 @@ import sys
 import time
 from dataclasses import asdict, fields
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from sacrebleu.metrics import BLEU
@@ -25,6 +24,7 @@ import configurator
 import dataset
 import decode
 import model as M
+import progress
 import speed
 
 _t_process = time.time()  # '_': not a setting
@@ -39,8 +39,8 @@ overwrite = False      # True: a new run into a used out_dir deletes its checkpo
 log_interval = 100     # steps
 eval_interval = 1000   # validation loss every N steps (0 = only at the end)
 bleu_interval = 0      # validation BLEU every N steps (0: at the end, -1: never); ckpt_best.pt
-bleu_beam = 4          # validation BLEU's beam and length penalty (section 6.1); the
-bleu_lenpen = 0.6      # length penalty is also translate.py's default
+bleu_beam = 4          # validation BLEU's beam and length penalty (section 6.1)
+bleu_lenpen = 0.6
 save_interval = 1000   # checkpoint every N steps ...
 save_minutes = 0.0     # ... and/or every N minutes (the paper: every 10 minutes)
 keep_last = 5          # weights-only ckpt_STEP.pt snapshots kept, for averaging
@@ -52,7 +52,7 @@ n_dec_layers = 6
 d_model = 512
 d_ff = 2048
 n_heads = 8            # h
-d_head = 0             # d_k = d_v (0: d_model / h; Table 3 rows A, B: other widths)
+d_head = 0             # d_k = d_v (0: d_model / h)
 dropout = 0.1
 attn_dropout = 0.0
 pre_norm = False
@@ -89,7 +89,6 @@ config_keys = [k for k, v in globals().items()
 defaults = {k: globals()[k] for k in config_keys}
 config = configurator.override(dict(defaults), sys.argv[1:])
 globals().update(config)
-
 configurator.check_ranges(config)
 given_config = dict(config)  # as the command gives them: the same command continues its run
 
@@ -103,31 +102,19 @@ def log(*args, **kwargs):
         print(*args, **kwargs)
 
 
-if device == 'auto':
-    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+device, dtype = speed.resolve_device(device, dtype, log)
 device_type = device.split(':')[0]
-if device_type == 'cuda' and not torch.cuda.is_available():
-    sys.exit(f"device={device!r} but torch sees no GPU (device='auto' picks one when there is)")
-if dtype == 'auto':
-    dtype = speed.fast_dtype(device_type)
-elif dtype == 'bfloat16' and speed.fast_dtype(device_type) != 'bfloat16':
-    log(f"warning: this {device_type} has no native bfloat16 matrix multiply: "
-        f"far slower than float32")
-head_size = d_head or d_model // n_heads
 problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
-                               checkpoint_activations, head_size)
+                               checkpoint_activations, d_head or d_model // n_heads)
 if problem:
     sys.exit(problem)
-ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes)
+checkpoint.make_writable(out_dir, 'out_dir')
+ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes, out_dir)
 torch.manual_seed(seed + rank)
 speed.configure_backends(device_type, dtype, checkpoint_activations)
 # A CUDA graph casts the weights in its replays: autocast must not cache the casts.
 autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
                           cache_enabled=not cuda_graphs)
-checkpoint.make_writable(out_dir, 'out_dir')
-if ddp:
-    cluster.check_shared_out_dir(out_dir, rank, host_group)
-    sys.excepthook = cluster.one_line_when_a_rank_fails
 # start: 'scratch', 'resume' or a checkpoint to fine-tune; 'auto' resolved by what out_dir holds
 start, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
@@ -137,10 +124,9 @@ meta, tokenizer, enc, valid_ref = dataset.open_prepared(data_dir)
 PAD, BOS, EOS = meta['pad_id'], meta['bos_id'], meta['eos_id']
 train_data = dataset.load_split(data_dir, 'train')
 valid_data = dataset.load_split(data_dir, 'valid')
-train_tgt_len = np.diff(train_data[3]) + 1  # + EOS: the target tokens the loss counts
 
 # -----------------------------------------------------------------------------------------------
-# model, optimizer, and the state to resume or fine-tune from
+# model and optimizer, from scratch or from the state to resume or the checkpoint to fine-tune
 state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir)
 if state is None:
     model_args = {f.name: config[f.name] for f in fields(M.Config) if f.name in config}
@@ -149,29 +135,26 @@ if state is None:
     model_cfg = M.Config(**model_args, vocab_size=vocab_size, pad_id=PAD, bos_id=BOS, eos_id=EOS)
 else:
     checkpoint.check_tokenizer_of_data(init_path, state, tokenizer, data_dir)
-    doing = 'resuming' if start == 'resume' else 'fine-tuning'
-    log(f"{doing} from {init_path} (step {state['step']})")
+    log(f"{'resuming' if start == 'resume' else 'fine-tuning'} from {init_path} "
+        f"(step {state['step']})")
     model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture, not the settings'
 if start == 'resume':
     checkpoint.check_resume(state, config, fine_tuned_from, meta['splits']['train'], out_dir)
-# Dropout is a training setting (a resume keeps the run's); ids past the tokenizer's are never made.
-model_cfg.dropout = dropout
-model_cfg.attn_dropout = attn_dropout
-model_cfg.tokenizer_size = enc.n_vocab
-if fine_tuned_from:
-    # The settings change here to the checkpoint's architecture: the config saved with each
-    # checkpoint is then the model's.
-    arch = {}
-    for key, value in asdict(model_cfg).items():
-        if key in config and config[key] != value:
-            arch[key] = value
+if fine_tuned_from:  # the settings take the checkpoint's architecture, saved with each checkpoint
+    arch = checkpoint.architecture_of(model_cfg, config)
     if arch:
         log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
         config.update(arch)
         globals().update(arch)
+# Dropout is a training setting (a resume keeps the run's); ids past the tokenizer's are never made.
+model_cfg.dropout = dropout
+model_cfg.attn_dropout = attn_dropout
+model_cfg.tokenizer_size = enc.n_vocab
 dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_tokens,
                     model_cfg.max_len, data_dir, log)
 raw_model = M.Transformer(model_cfg).to(device)
+if state is not None:
+    raw_model.load_state_dict(state['model'])
 if device_type == 'cpu':
     speed.cpu_dropout(raw_model)
 optimizer = M.configure_optimizer(raw_model, lr=0.0, betas=(beta1, beta2), eps=adam_eps,
@@ -180,31 +163,12 @@ scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
 step = 0
 epoch = 0
 batch_idx = 0  # the next batch of the epoch's plan
-best_bleu = -1.0
 elapsed = 0.0  # training seconds so far, a resumed run's included
-if state is not None:  # resumed or fine-tuned
-    raw_model.load_state_dict(state['model'])
+best_bleu = -1.0
 if start == 'resume':
-    step = state['step']
-    epoch = state['epoch']
-    batch_idx = state['next_batch']
-    elapsed = state['elapsed']
-    checkpoint.load_optimizer_state(optimizer, state, init_path)
-    if state['scaler'] and dtype == 'float16':  # else the scaler is off and its state empty
-        scaler.load_state_dict(state['scaler'])
-    best_bleu = max(state['best_bleu'], checkpoint.best_bleu_in(out_dir))
-    if not checkpoint.restore_rng(state['rng'], rank, world, device_type):
-        # The generators were saved per rank: another number of ranks cannot go on with them.
-        torch.manual_seed(seed + rank + 1000003 * step)
-        log(f"resumed by {world} process(es), saved by {len(state['rng'])}: dropout is reseeded")
-    if master:
-        checkpoint.remove_partial_saves(out_dir)
-        checkpoint.trim_log(out_dir, step)
+    step, epoch, batch_idx, elapsed, best_bleu = checkpoint.resume(
+        state, init_path, optimizer, scaler, out_dir, seed, rank, world, device_type)
 del state
-
-
-if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2
-    graph_len = speed.graph_length(dataset.pair_sizes(train_data).max(), model_cfg.max_len)
 
 
 def get_batch(data, ids, packed=False):
@@ -219,34 +183,18 @@ def get_batch(data, ids, packed=False):
     return [x.to(device, non_blocking=True) for x in batch]
 
 
-def epoch_plan(epoch):
-    """The epoch's batches, the same on every rank: the seed and the epoch decide them."""
-    plan = dataset.batch_plan(train_data, max_tokens, seed, epoch)
-    if world * update_freq > len(plan):
-        sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, "
-                 f"fewer than the {world * update_freq} an update needs ({world} process(es) "
-                 f"x update_freq {update_freq})")
-    return plan
+def micro_batches(updates):
+    """Each update's epoch, next batch, target tokens over all ranks (each rank normalises by
+    them), and this rank's batches: micro-step m takes the update's batch m * world + rank."""
+    for epoch, batch_idx, ntok, update in updates:
+        batches = [get_batch(train_data, ids, cuda_graphs) for ids in update[rank::world]]
+        yield epoch, batch_idx, ntok, batches
 
 
-def updates(epoch, batch_idx, plan):
-    """-> epoch, next batch_idx, the update's target tokens over all ranks (each rank normalises by
-    them), and this rank's micro-batches."""
-    n = world * update_freq
-    while True:
-        if batch_idx + n > len(plan):  # the epoch's last batches do not fill an update
-            epoch += 1
-            batch_idx = 0
-            plan = epoch_plan(epoch)
-        update = plan[batch_idx:batch_idx + n]
-        batch_idx += n
-        ntok = sum(int(train_tgt_len[ids].sum()) for ids in update)
-        micro_batches = [get_batch(train_data, update[m * world + rank], cuda_graphs)
-                         for m in range(update_freq)]
-        yield epoch, batch_idx, ntok, micro_batches
-
-
-batches = dataset.prefetched(updates(epoch, batch_idx, epoch_plan(epoch)))
+if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2
+    graph_len = speed.graph_length(dataset.pair_sizes(train_data).max(), model_cfg.max_len)
+updates = dataset.updates(train_data, max_tokens, seed, world * update_freq, epoch, batch_idx)
+batches = dataset.prefetched(micro_batches(updates))  # made by a thread while a step runs
 if start != 'resume' and run_files:  # --overwrite: only now that every input has loaded
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
@@ -257,18 +205,11 @@ train_model, chunk_fn = speed.training_model(raw_model, ddp, master_weights, dty
 model = train_model
 if ddp and not cuda_graphs:  # CUDA graphs all-reduce on their own
     model = cluster.wrap_ddp(train_model, device_type)
-if cuda_graphs:
-    graphed = speed.Graphed(train_model)
+if cuda_graphs:  # called as the model, with where the packed rows' sentences lie
+    model = speed.Graphed(train_model)
 step_context = autocast
 if master_weights:  # the copy is in dtype already
     step_context = contextlib.nullcontext()
-
-
-def forward(src, tgt_in, rows, *sides):
-    """The decoder states at the real targets: a replay of the CUDA graphs, or the model."""
-    if cuda_graphs:
-        return graphed(src, tgt_in, rows, list(sides))
-    return model(src, tgt_in, rows)
 
 
 def get_lr(step, elapsed=0.0):
@@ -289,22 +230,15 @@ def get_lr(step, elapsed=0.0):
 
 @torch.no_grad()
 def validation_bleu():
-    """Beam search (translate.py's default rule) over every world-th validation source, batched
-    as translate.py does: longest first, up to 4096 padded tokens; empty or too long ones: ''."""
-    lengths = np.diff(valid_data[1])
-    mine = []  # this rank's share
-    for i in range(rank, len(valid_ref), world):
-        if 0 < lengths[i] < model_cfg.max_len:
-            mine.append(i)
-    sizes = lengths[mine] + 1
-    longest_first = np.argsort(-sizes, kind='stable')
+    """Beam search, batched as translate.py's, over each rank's share of the validation sources;
+    an empty or too long one gives ''."""
+    srcs = dataset.sources(valid_data, rank, world, model_cfg.max_len, EOS)
     hyps = {}
-    for batch in dataset.token_batches(sizes, longest_first, 4096):
-        ids = [mine[j] for j in batch]
+    for batch in decode.length_batches(srcs, 4096):
         with autocast:
-            src = get_batch(valid_data, ids)[0]
-            out = decode.beam_search(raw_model, src, bleu_beam, bleu_lenpen)
-        for i, nbest in zip(ids, out):
+            out = decode.beam_search(raw_model, decode.padded(srcs, batch, PAD, device),
+                                     bleu_beam, bleu_lenpen)
+        for i, nbest in zip(batch, out):
             hyps[i] = enc.decode(nbest[0][0])
     for share in cluster.gather(hyps, ddp, world):
         hyps.update(share)
@@ -315,7 +249,7 @@ def validation_bleu():
 @torch.no_grad()
 @torch.compiler.set_stance('force_eager')  # compiled layers run eagerly: no recompiles here
 def evaluate(final=False):
-    """Validation loss (and BLEU when due) over every rank's share of the batches."""
+    """Validation loss, and BLEU when due, over every rank's share of the batches."""
     global best_bleu
     raw_model.eval()
     sums = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens
@@ -330,20 +264,16 @@ def evaluate(final=False):
         dist.all_reduce(sums)
     total, nll, ntok = sums.tolist()
     record = {'step': step, 'valid_loss': total / ntok, 'valid_ppl': math.exp(nll / ntok)}
-    bleu_due = final or (bleu_interval > 0 and step % bleu_interval == 0)
-    if bleu_interval >= 0 and bleu_due:
+    if bleu_interval >= 0 and (final or bleu_interval > 0 and step % bleu_interval == 0):
         record['valid_bleu'] = validation_bleu()
         if record['valid_bleu'] > best_bleu:
             best_bleu = record['valid_bleu']
             save(os.path.join(out_dir, 'ckpt_best.pt'), valid_bleu=best_bleu)
     raw_model.train()
-    words = []
-    for key, value in record.items():
-        if isinstance(value, float):
-            value = f"{value:.4g}"
-        words.append(f"{key} {value}")
-    log(' | '.join(words))
-    log_record(record)
+    scores = [f"{key} {value:.4g}" for key, value in record.items() if key != 'step']
+    log(f"step {step} | " + ' | '.join(scores))
+    if master:
+        progress.append(out_dir, record)
 
 
 def save(path, full=False, **extra):
@@ -371,51 +301,6 @@ def save_snapshots():
         dist.barrier()  # the other ranks read these files at the end (averaging)
 
 
-def log_record(record):
-    """log.jsonl opens with the first record: a run stopped before it leaves none behind."""
-    if master:
-        with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
-            f.write(json.dumps(record) + '\n')
-
-
-def log_progress(lr_now, grad_norm, dt):
-    loss_tok = sums['loss'].item() / tokens_since
-    ppl = math.exp(min(sums['nll'].item() / tokens_since, 50))
-    eta = (max_steps - step) * elapsed / step
-    if max_minutes > 0:
-        eta = min(eta, max_minutes * 60 - elapsed)
-    eta = max(eta, 0)
-    log(f"step {step} | epoch {epoch} | loss {loss_tok:.3f} | ppl {ppl:.2f} | lr {lr_now:.2e} | "
-        f"gnorm {grad_norm.item():.2f} | {tokens_since / dt:,.0f} tgt tok/s | "
-        f"{elapsed / 60:.1f} min | ETA {eta / 60:.1f} min", flush=True)
-    log_record(dict(step=step, epoch=epoch, loss=loss_tok, ppl=ppl, lr=lr_now,
-                    grad_norm=grad_norm.item(), tok_per_s=tokens_since / dt,
-                    elapsed_min=elapsed / 60, eta_min=eta / 60,
-                    skipped=int(sums['skipped'].item())))  # skipped: non-finite gradients
-
-
-def count_bad_update(bad):
-    """Runs of non-finite updates, counted on the device: reading them would stall a GPU."""
-    sums['bad_run'] = (sums['bad_run'] + 1) * bad
-    sums['worst_run'] = torch.maximum(sums['worst_run'], sums['bad_run'])
-    sums['skipped'] = sums['skipped'] + bad
-
-
-def agree_at_log_step():
-    """Under DDP: the sums over every rank's tokens, and the clock of the slowest rank."""
-    both = torch.stack([sums['loss'], sums['nll']])
-    slowest = torch.tensor(elapsed, device=device)
-    dist.all_reduce(both)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    sums['loss'], sums['nll'] = both
-    return slowest.item()
-
-
-if start == 'resume' and master:  # killed between a state and its snapshot
-    snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
-    if not os.path.exists(snapshot):
-        save(snapshot)
-
 # -----------------------------------------------------------------------------------------------
 # training loop
 log(json.dumps(config, indent=1))
@@ -425,13 +310,10 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
 t_start = time.time() - elapsed
 t_last = time.time()
 # clock: the training time all ranks agree on (under DDP at log steps, where the host waits for the
-# GPU). The sums stay on the device until a log step too.
+# GPU anyway)
 clock = elapsed
 last_save = elapsed
-tokens_since = 0
-sums = {}
-for key in ('loss', 'nll', 'bad_run', 'worst_run', 'skipped'):
-    sums[key] = torch.zeros((), device=device)
+sums = progress.new_sums(device)
 if max_minutes > 0 and elapsed > max_minutes * 60:  # resumed with the time used up
     max_steps = step
 cluster.catch_stop_signals()
@@ -449,7 +331,7 @@ while step < max_steps:
                 tensors = [x.to(device) for x in [src, tgt_in, targets, *sides]]
                 src, tgt_in, targets, *sides = tensors
             with step_context:
-                x = forward(src, tgt_in, rows, *sides)
+                x = model(src, tgt_in, rows, *sides)
                 loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
                                                   label_smoothing, chunk_fn)
             # DDP averages gradients over ranks; scaling by world turns that average into the sum.
@@ -465,10 +347,8 @@ while step < max_steps:
     if master_weights:  # the float32 model takes the copy's gradients
         speed.gradients_to_master(raw_model, train_model)
     scaler.unscale_(optimizer)
-    max_norm = math.inf  # the norm is taken anyway: the log shows it, and it finds non-finite steps
-    if clip_grad > 0:
-        max_norm = clip_grad
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
+    # clip_grad 0: the norm is taken anyway, for the log and to find non-finite updates
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip_grad or math.inf)
     # A non-finite norm (all-reduced: every rank agrees) skips the update, as fp16's scaler does.
     bad = ~torch.isfinite(grad_norm)
     optimizer.found_inf = bad.float()
@@ -477,30 +357,26 @@ while step < max_steps:
     optimizer.zero_grad(set_to_none=True)
     if master_weights:  # and the copy its new weights
         speed.weights_to_copy(raw_model, train_model)
-    count_bad_update(bad)
+    progress.count_update(sums, ntok_update, bad)
 
-    # bookkeeping: the clock, the log line, evaluation, checkpoints
-    tokens_since += ntok_update
+    # log, evaluate, save
     elapsed = time.time() - t_start
     log_step = step % log_interval == 0 or step == max_steps
     if not ddp:
         clock = elapsed
     elif log_step:
-        clock = agree_at_log_step()
+        clock = progress.agree(sums, elapsed)
     if max_minutes > 0 and clock > max_minutes * 60:  # under DDP, decided at a log step
         log(f"max_minutes={max_minutes} reached at step {step}")
         max_steps = step
         log_step = True
     if log_step:
-        worst_run = int(sums['worst_run'].item())  # every rank reads it: all stop together
-        if worst_run >= max_bad_steps:
-            sys.exit(f"{worst_run} non-finite updates in a row: lower the learning rate, "
-                     f"use dtype='bfloat16' or 'float32', or set clip_grad")
+        progress.stop_if_diverged(sums, max_bad_steps)
         if master:
-            log_progress(lr_now, grad_norm, time.time() - t_last)
-        tokens_since = 0
-        for key in ('loss', 'nll', 'worst_run', 'skipped'):  # bad_run: a run spans log steps
-            sums[key].zero_()
+            eta = progress.eta(step, max_steps, elapsed, max_minutes)
+            progress.log_line(sums, out_dir, step, epoch, lr_now, grad_norm, elapsed, eta,
+                              time.time() - t_last)
+        progress.reset(sums)
     # The last step is evaluated after the averaging below.
     loss_due = eval_interval > 0 and step % eval_interval == 0
     bleu_due = bleu_interval > 0 and step % bleu_interval == 0

@@ -18,14 +18,12 @@ import sys
 import time
 from contextlib import nullcontext, suppress
 
-import numpy as np
 import torch
 from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 import checkpoint
 import data_prep
-import dataset
 import export_ct2
 import decode
 import speed
@@ -49,21 +47,6 @@ def encode_sources(enc, cfg, lines, first_line):
             toks = toks[:limit]
         srcs[i] = toks + [cfg.eos_id]
     return srcs
-
-
-def length_batches(srcs, max_tokens):
-    """The line indices of srcs in batches of at most max_tokens padded source tokens, longest
-    first: padding stays small, and a batch too large for memory fails at once, not at the end."""
-    ids = list(srcs)
-    sizes = np.array([len(srcs[i]) for i in ids], dtype=np.int64)
-    order = np.argsort(-sizes, kind='stable')
-    return [[ids[j] for j in batch] for batch in dataset.token_batches(sizes, order, max_tokens)]
-
-
-def padded(srcs, batch, pad_id, device):
-    longest = len(srcs[batch[0]])  # the batch's first source: batches are sorted longest first
-    rows = [srcs[i] + [pad_id] * (longest - len(srcs[i])) for i in batch]
-    return torch.tensor(rows, device=device)
 
 
 def warn_at_limit(cfg, srcs, batch, out, max_len_a, max_len_b, first_line):
@@ -107,7 +90,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
         device = next(model.parameters()).device
     lines = list(lines)
     srcs = encode_sources(enc, cfg, lines, first_line)
-    batches = length_batches(srcs, max_tokens)
+    batches = decode.length_batches(srcs, max_tokens)
     autocast = nullcontext()
     if dtype is not None:
         autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
@@ -124,7 +107,7 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
     try:
         for batch in [[]] + batches:  # the empty first batch emits any leading empty lines at once
             if batch:
-                src = padded(srcs, batch, cfg.pad_id, device)
+                src = decode.padded(srcs, batch, cfg.pad_id, device)
                 packing = speed.packed_weights(model, packs) if pack else nullcontext()
                 # no_grad, autocast and packed weights only around the work: a generator must not
                 # leak them to the caller (who may train the model between two lines).

@@ -102,7 +102,7 @@ def trainer(lib, name, compiled=True):
         if ps is None:
             return model(src, tgt_in, rows)
         if 'graphs' in name:
-            return graphed(src, tgt_in, rows, (ps, pt))
+            return graphed(src, tgt_in, rows, ps, pt)
         return speed.forward(model, src, tgt_in, rows, (ps, pt))
 
     def steps(bs):

@@ -89,7 +89,7 @@ def test_graphed_captures_once_per_shape_and_gives_the_models_states(monkeypatch
         src = pad_batch(src)
         s, t, rows, sides = speed.pack(src, src.roll(1, 1), PAD, size=16, max_len=4)
         want = speed.forward(m, s, t, rows, sides)
-        torch.testing.assert_close(graphed(s, t, rows, sides), want)
+        torch.testing.assert_close(graphed(s, t, rows, *sides), want)
     assert len(captured) == 2  # the first two batches share a shape; the third has more sentences
     assert captured[0][:2] == [(1, 16), (1, 16)] and captured[0][2] != captured[1][2]
 

@@ -206,9 +206,10 @@ def restore_rng(saved, rank, world, device_type):
     return True
 
 
-def initial_state(init_from, out_dir):
+def initial_state(init_from, out_dir, config, meta, tokenizer, log):
     """-> (state, its path, the checkpoint the run was fine-tuned from) for init_from 'scratch'
-    (no state), 'resume' (out_dir's newest training state) or a checkpoint to fine-tune."""
+    (no state), 'resume' (out_dir's newest training state) or a checkpoint to fine-tune; checked
+    against the data (its tokenizer) and, to resume, against the settings."""
     if init_from == 'scratch':
         return None, None, None
     path = init_from
@@ -218,9 +219,13 @@ def initial_state(init_from, out_dir):
             sys.exit(f"init_from='resume' but {out_dir} has no state_*.pt")
         path = states[-1]
     state = read_checkpoint(path)
-    if init_from == 'resume':
-        return state, path, state['fine_tuned_from']
-    return state, path, path
+    check_tokenizer_of_data(path, state, tokenizer, config['data_dir'])
+    if init_from != 'resume':
+        log(f"fine-tuning from {path} (step {state['step']})")
+        return state, path, path
+    log(f"resuming from {path} (step {state['step']})")
+    check_resume(state, config, state['fine_tuned_from'], meta['splits']['train'], out_dir)
+    return state, path, state['fine_tuned_from']
 
 
 def check_tokenizer_of_data(path, state, tokenizer, data_dir):

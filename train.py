@@ -33,19 +33,19 @@ _t_process = time.time()  # '_': not a setting
 # I/O
 data_dir = 'data/multi30k_en_de'
 out_dir = 'out/multi30k_en_de'
-init_from = 'auto'     # 'auto': out_dir's run if it has these settings, else a new one; 'scratch';
-                       # 'resume' (out_dir's newest state); or a checkpoint to fine-tune
-overwrite = False      # True: a new run into a used out_dir deletes its checkpoints and log
+init_from = 'auto'     # 'auto' (go on with out_dir's run of these settings), 'scratch', 'resume',
+                       # or a checkpoint to fine-tune
+overwrite = False      # True: a new run deletes out_dir's old checkpoints and log
 log_interval = 100     # steps
 eval_interval = 1000   # validation loss every N steps (0 = only at the end)
-bleu_interval = 0      # validation BLEU every N steps (0: at the end, -1: never); ckpt_best.pt
-bleu_beam = 4          # validation BLEU's beam and length penalty (section 6.1)
+bleu_interval = 0      # validation BLEU (and ckpt_best.pt) every N steps (0: at the end, -1: never)
+bleu_beam = 4          # section 6.1
 bleu_lenpen = 0.6
 save_interval = 1000   # checkpoint every N steps ...
 save_minutes = 0.0     # ... and/or every N minutes (the paper: every 10 minutes)
-keep_last = 5          # weights-only ckpt_STEP.pt snapshots kept, for averaging
-keep_state = 1         # full training states state_STEP.pt kept (weights + Adam), for resuming
-average_last = 5       # ckpt.pt = average of the newest N (section 6.1: 5 for base, 20 for big)
+keep_last = 5          # ckpt_STEP.pt weight snapshots kept, for averaging
+keep_state = 1         # state_STEP.pt training states kept (weights + Adam), for resuming
+average_last = 5       # ckpt.pt: their average (section 6.1: 5 for base, 20 for big)
 # model (Table 3, base)
 n_enc_layers = 6       # N
 n_dec_layers = 6
@@ -62,28 +62,28 @@ positions = 'sinusoidal'  # or 'learned': Table 3 row (E)
 max_tokens = 4096      # padded source or target tokens per GPU per micro-step
 update_freq = 1        # micro-steps accumulated per update: N GPUs ~ 1 GPU with update_freq N
 max_steps = 100000
-max_minutes = 0.0      # also stop after this much training time, resumes included (0: no limit)
-schedule = 'noam'      # 'noam': the paper's formula; 'inverse_sqrt': fairseq's; 'constant': flat
-lr = 5e-4              # peak learning rate of 'inverse_sqrt' and 'constant'
-lr_scale = 1.0         # multiplier on the 'noam' formula
+max_minutes = 0.0      # also stop after this much training time (0: no limit)
+schedule = 'noam'      # the paper's; 'inverse_sqrt' (fairseq's) or 'constant' peak at lr
+lr = 5e-4
+lr_scale = 1.0         # on 'noam'
 warmup = 4000
-cooldown = 0.0         # LR falls linearly to 0 over this last share of the run (steps or minutes)
+cooldown = 0.0         # LR falls linearly to 0 over this last share of the run
 beta1 = 0.9
 beta2 = 0.98
 adam_eps = 1e-9
-weight_decay = 0.0     # AdamW's, on matrices (the paper: none)
+weight_decay = 0.0     # AdamW's, on matrices
 label_smoothing = 0.1
-clip_grad = 0.0        # max gradient norm (0 = off; the paper does not clip)
+clip_grad = 0.0        # max gradient norm (0: off, as the paper)
 # system
 device = 'auto'        # 'auto', 'cpu', 'cuda', 'cuda:1', ...
-dtype = 'auto'         # 'auto' (bf16 where native), 'bfloat16', 'float32', 'float16' (GPU, scaled)
+dtype = 'auto'         # 'auto' (bf16 where native), 'bfloat16', 'float32', 'float16' (GPU)
 compile = False
-cuda_graphs = False    # GPU: rows packed to a fixed size, forward and backward as CUDA graphs
-master_weights = False  # the steps on a copy in dtype, Adam on the float32 model (fairseq's --bf16)
-checkpoint_activations = False  # backward recomputes each layer from its input: less memory
+cuda_graphs = False    # GPU: rows packed to a fixed size, steps replayed as CUDA graphs
+master_weights = False  # steps on a copy in dtype, Adam on the float32 model (fairseq's --bf16)
+checkpoint_activations = False  # backward recomputes each layer: less memory
 seed = 1337
-max_bad_steps = 20     # consecutive non-finite updates before giving up
-ddp_timeout_minutes = 60.0  # how long a rank waits in a collective (NCCL's default, 10, is short)
+max_bad_steps = 20     # non-finite updates in a row before giving up
+ddp_timeout_minutes = 60.0  # a rank's wait in a collective (NCCL's default, 10, is short)
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
@@ -115,7 +115,7 @@ speed.configure_backends(device_type, dtype, checkpoint_activations)
 # A CUDA graph casts the weights in its replays: autocast must not cache the casts.
 autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
                           cache_enabled=not cuda_graphs)
-# start: 'scratch', 'resume' or a checkpoint to fine-tune; 'auto' resolved by what out_dir holds
+# start: init_from, with 'auto' resolved by what out_dir holds
 start, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
 # -----------------------------------------------------------------------------------------------
@@ -127,26 +127,22 @@ valid_data = dataset.load_split(data_dir, 'valid')
 
 # -----------------------------------------------------------------------------------------------
 # model and optimizer, from scratch or from the state to resume or the checkpoint to fine-tune
-state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir)
+state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir, config, meta,
+                                                              tokenizer, log)
 if state is None:
     model_args = {f.name: config[f.name] for f in fields(M.Config) if f.name in config}
     # The vocabulary rounded up to a multiple of 8: the output matmul fits the tensor cores.
     vocab_size = (meta['vocab_size'] + 7) // 8 * 8
     model_cfg = M.Config(**model_args, vocab_size=vocab_size, pad_id=PAD, bos_id=BOS, eos_id=EOS)
 else:
-    checkpoint.check_tokenizer_of_data(init_path, state, tokenizer, data_dir)
-    log(f"{'resuming' if start == 'resume' else 'fine-tuning'} from {init_path} "
-        f"(step {state['step']})")
-    model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture, not the settings'
-if start == 'resume':
-    checkpoint.check_resume(state, config, fine_tuned_from, meta['splits']['train'], out_dir)
-if fine_tuned_from:  # the settings take the checkpoint's architecture, saved with each checkpoint
+    model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture
+if fine_tuned_from:  # the config saved with each checkpoint is the model's
     arch = checkpoint.architecture_of(model_cfg, config)
     if arch:
         log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
         config.update(arch)
         globals().update(arch)
-# Dropout is a training setting (a resume keeps the run's); ids past the tokenizer's are never made.
+# Dropout is a training setting; ids past the tokenizer's are never made.
 model_cfg.dropout = dropout
 model_cfg.attn_dropout = attn_dropout
 model_cfg.tokenizer_size = enc.n_vocab
@@ -172,20 +168,19 @@ del state
 
 
 def get_batch(data, ids, packed=False):
-    """-> src, tgt_in, the real target rows, their targets; pinned: the copy does not wait."""
+    """-> src, tgt_in, the real target rows, their targets; pinned, the copy does not wait."""
     batch = [torch.from_numpy(x) for x in dataset.collate(data, ids, PAD, BOS, EOS)]
-    if packed:  # cuda_graphs: each side one row of a fixed size, and where its sentences lie
+    if packed:  # cuda_graphs: each side one row of a fixed size; the step copies them
         src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, max_tokens + graph_len,
                                               graph_len)
-        return [src, tgt_in, rows, batch[3], *sides]  # copied by the step, not the prefetcher
+        return [src, tgt_in, rows, batch[3], *sides]
     if device_type == 'cuda':
         batch = [x.pin_memory() for x in batch]
     return [x.to(device, non_blocking=True) for x in batch]
 
 
 def micro_batches(updates):
-    """Each update's epoch, next batch, target tokens over all ranks (each rank normalises by
-    them), and this rank's batches: micro-step m takes the update's batch m * world + rank."""
+    """Each update with this rank's batches: micro-step m takes batch m * world + rank."""
     for epoch, batch_idx, ntok, update in updates:
         batches = [get_batch(train_data, ids, cuda_graphs) for ids in update[rank::world]]
         yield epoch, batch_idx, ntok, batches
@@ -194,7 +189,7 @@ def micro_batches(updates):
 if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2
     graph_len = speed.graph_length(dataset.pair_sizes(train_data).max(), model_cfg.max_len)
 updates = dataset.updates(train_data, max_tokens, seed, world * update_freq, epoch, batch_idx)
-batches = dataset.prefetched(micro_batches(updates))  # made by a thread while a step runs
+batches = dataset.prefetched(micro_batches(updates))  # a thread makes them during a step
 if start != 'resume' and run_files:  # --overwrite: only now that every input has loaded
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
@@ -205,7 +200,7 @@ train_model, chunk_fn = speed.training_model(raw_model, ddp, master_weights, dty
 model = train_model
 if ddp and not cuda_graphs:  # CUDA graphs all-reduce on their own
     model = cluster.wrap_ddp(train_model, device_type)
-if cuda_graphs:  # called as the model, with where the packed rows' sentences lie
+if cuda_graphs:
     model = speed.Graphed(train_model)
 step_context = autocast
 if master_weights:  # the copy is in dtype already
@@ -221,7 +216,7 @@ def get_lr(step, elapsed=0.0):
         rate = lr * min(step / warmup, 1.0)
     if cooldown == 0:
         return rate
-    # cooldown: linear decay to 0 over the last `cooldown` of the run, by the budget ending it first
+    # by the budget that ends the run first
     done = step / max_steps
     if max_minutes > 0:
         done = max(done, elapsed / (max_minutes * 60))
@@ -230,8 +225,7 @@ def get_lr(step, elapsed=0.0):
 
 @torch.no_grad()
 def validation_bleu():
-    """Beam search, batched as translate.py's, over each rank's share of the validation sources;
-    an empty or too long one gives ''."""
+    """Beam search as translate.py's over each rank's share of the sources; too long ones: ''."""
     srcs = dataset.sources(valid_data, rank, world, model_cfg.max_len, EOS)
     hyps = {}
     for batch in decode.length_batches(srcs, 4096):
@@ -252,17 +246,17 @@ def evaluate(final=False):
     """Validation loss, and BLEU when due, over every rank's share of the batches."""
     global best_bleu
     raw_model.eval()
-    sums = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens
+    totals = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens
     plan = dataset.batch_plan(valid_data, max_tokens, seed, 0, shuffle=False)
     for ids in plan[rank::world]:
         src, tgt_in, rows, targets = get_batch(valid_data, ids)
         with autocast:
             x = raw_model(src, tgt_in, rows)
             loss, nll = M.label_smoothed_loss(x, raw_model.embed.weight, targets, label_smoothing)
-        sums += torch.stack([loss, nll, torch.tensor(len(rows), device=device)])
+        totals += torch.stack([loss, nll, torch.tensor(len(rows), device=device)])
     if ddp:
-        dist.all_reduce(sums)
-    total, nll, ntok = sums.tolist()
+        dist.all_reduce(totals)
+    total, nll, ntok = totals.tolist()
     record = {'step': step, 'valid_loss': total / ntok, 'valid_ppl': math.exp(nll / ntok)}
     if bleu_interval >= 0 and (final or bleu_interval > 0 and step % bleu_interval == 0):
         record['valid_bleu'] = validation_bleu()
@@ -277,8 +271,7 @@ def evaluate(final=False):
 
 
 def save(path, full=False, **extra):
-    """Weights (averaging and translate.py read them), or with full a training state: every rank
-    takes part, for the random generators; rank 0 writes."""
+    """Weights, or with full a training state: every rank gives its random generators."""
     ckpt = {'model': raw_model.state_dict(), 'model_cfg': asdict(model_cfg),
             'tokenizer': tokenizer, 'step': step, 'config': config, 'data_dir': data_dir,
             'fine_tuned_from': fine_tuned_from, 'given_config': given_config, **extra}
@@ -292,13 +285,13 @@ def save(path, full=False, **extra):
 
 
 def save_snapshots():
-    """A training state to resume from and a weights snapshot to average; the oldest go."""
+    """A training state and a weights snapshot; the oldest go."""
     save(os.path.join(out_dir, f'state_{step:07d}.pt'), full=True)
     save(os.path.join(out_dir, f'ckpt_{step:07d}.pt'))
     if master:
         checkpoint.rotate(out_dir, keep_state, keep_last)
     if ddp:
-        dist.barrier()  # the other ranks read these files at the end (averaging)
+        dist.barrier()  # every rank reads them at the end
 
 
 # -----------------------------------------------------------------------------------------------
@@ -309,8 +302,7 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
     f"ready {time.time() - _t_process:.1f}s after start")
 t_start = time.time() - elapsed
 t_last = time.time()
-# clock: the training time all ranks agree on (under DDP at log steps, where the host waits for the
-# GPU anyway)
+# clock: the training time every rank goes by, under DDP agreed at log steps
 clock = elapsed
 last_save = elapsed
 sums = progress.new_sums(device)
@@ -334,7 +326,7 @@ while step < max_steps:
                 x = model(src, tgt_in, rows, *sides)
                 loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
                                                   label_smoothing, chunk_fn)
-            # DDP averages gradients over ranks; scaling by world turns that average into the sum.
+            # DDP averages gradients over ranks: times world, the sum over all tokens.
             scaler.scale(loss * world / ntok_update).backward()
             sums['loss'] += loss.detach()
             sums['nll'] += nll
@@ -349,7 +341,7 @@ while step < max_steps:
     scaler.unscale_(optimizer)
     # clip_grad 0: the norm is taken anyway, for the log and to find non-finite updates
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip_grad or math.inf)
-    # A non-finite norm (all-reduced: every rank agrees) skips the update, as fp16's scaler does.
+    # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does.
     bad = ~torch.isfinite(grad_norm)
     optimizer.found_inf = bad.float()
     scaler.step(optimizer)
@@ -385,7 +377,7 @@ while step < max_steps:
     save_due = save_interval > 0 and step % save_interval == 0
     if save_minutes > 0 and clock - last_save > save_minutes * 60:
         save_due = True
-    stop_asked = cluster.stop_asked(ddp, host_group)  # SIGTERM or SIGINT: save, and end
+    stop_asked = cluster.stop_asked(ddp, host_group)  # SIGTERM or SIGINT
     if save_due or step == max_steps or stop_asked:
         save_snapshots()
         last_save = clock
@@ -393,11 +385,11 @@ while step < max_steps:
         log(f"{cluster.stop['signal']}: stopped at step {step} with a training state in {out_dir}; "
             f"the same command continues the run", file=sys.stderr, flush=True)
         cluster.exit_now(1)  # nonzero: the scheduler requeues the job
-    if step % log_interval == 0:  # evaluation and saving do not count against tokens/s
+    if step % log_interval == 0:  # tokens/s without evaluation and saving
         t_last = time.time()
 
 # -----------------------------------------------------------------------------------------------
-# Section 6.1: the reported models average the last checkpoints, written at regular intervals.
+# Section 6.1: the reported models average the last checkpoints
 newest = checkpoint.checkpoints(out_dir)[-average_last:]
 raw_model.load_state_dict(checkpoint.average_checkpoints(newest))
 save(os.path.join(out_dir, 'ckpt.pt'))

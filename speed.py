@@ -337,8 +337,10 @@ class Graphed:
         self.graphs = {}
 
     def __call__(self, src, tgt, rows, *sides):  # the decoder states at rows, as model(...)
+        # The rows come from the host: no other thread may use the GPU during a capture.
         s, t = sides
-        inputs = (src, tgt, s.cu, s.pos, t.cu, t.pos)
+        device = next(self.model.parameters()).device
+        inputs = [x.to(device) for x in (src, tgt, s.cu, s.pos, t.cu, t.pos)]
         key = (src.size(1), len(s.cu), s.max_len)
         if key not in self.graphs:
             body = Body(self.model, s.max_len)

@@ -170,7 +170,7 @@ del state
 def get_batch(data, ids, packed=False):
     """-> src, tgt_in, the real target rows, their targets; pinned, the copy does not wait."""
     batch = [torch.from_numpy(x) for x in dataset.collate(data, ids, PAD, BOS, EOS)]
-    if packed:  # cuda_graphs: each side one row of a fixed size; the step copies them
+    if packed:  # cuda_graphs: each side one row of a fixed size, left on the host
         src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, max_tokens + graph_len,
                                               graph_len)
         return [src, tgt_in, rows, batch[3], *sides]
@@ -205,6 +205,10 @@ if cuda_graphs:
 step_context = autocast
 if master_weights:  # the copy is in dtype already
     step_context = contextlib.nullcontext()
+
+
+def every(interval):
+    return interval > 0 and step % interval == 0
 
 
 def get_lr(step, elapsed=0.0):
@@ -258,7 +262,7 @@ def evaluate(final=False):
         dist.all_reduce(totals)
     total, nll, ntok = totals.tolist()
     record = {'step': step, 'valid_loss': total / ntok, 'valid_ppl': math.exp(nll / ntok)}
-    if bleu_interval >= 0 and (final or bleu_interval > 0 and step % bleu_interval == 0):
+    if bleu_interval >= 0 and (final or every(bleu_interval)):
         record['valid_bleu'] = validation_bleu()
         if record['valid_bleu'] > best_bleu:
             best_bleu = record['valid_bleu']
@@ -319,11 +323,9 @@ while step < max_steps:
         for micro, (src, tgt_in, rows, targets, *sides) in enumerate(micro_batches):
             if ddp and not cuda_graphs:  # as nanoGPT: all-reduce only on the last micro-step
                 model.require_backward_grad_sync = micro == update_freq - 1
-            if cuda_graphs:  # copied here: no other thread may use the GPU during a capture
-                tensors = [x.to(device) for x in [src, tgt_in, targets, *sides]]
-                src, tgt_in, targets, *sides = tensors
             with step_context:
                 x = model(src, tgt_in, rows, *sides)
+                targets = targets.to(device)  # a packed batch's are on the host
                 loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
                                                   label_smoothing, chunk_fn)
             # DDP averages gradients over ranks: times world, the sum over all tokens.
@@ -370,11 +372,9 @@ while step < max_steps:
                               time.time() - t_last)
         progress.reset(sums)
     # The last step is evaluated after the averaging below.
-    loss_due = eval_interval > 0 and step % eval_interval == 0
-    bleu_due = bleu_interval > 0 and step % bleu_interval == 0
-    if (loss_due or bleu_due) and step != max_steps:
+    if (every(eval_interval) or every(bleu_interval)) and step != max_steps:
         evaluate()
-    save_due = save_interval > 0 and step % save_interval == 0
+    save_due = every(save_interval)
     if save_minutes > 0 and clock - last_save > save_minutes * 60:
         save_due = True
     stop_asked = cluster.stop_asked(ddp, host_group)  # SIGTERM or SIGINT

@@ -1,6 +1,7 @@
 """
 What training reads at run time from a folder that data_prep.py prepared (docs/formats.md): its
-meta.json and tokenizer, the token files of a split, and the batches train.py draws from them.
+meta.json and tokenizer, the token files of a split, and the batches and updates train.py draws
+from them.
 """
 import base64
 import json

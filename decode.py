@@ -1,7 +1,7 @@
 """
-Decoding (section 6.1): greedy decoding and batched beam search with the model's KV cache, the
-length penalty and the output length limit. train.py's validation BLEU, translate.py, bench.py,
-plot.py and export_ct2.py's CTranslate2 model all decode by these rules.
+Decoding (section 6.1): sources batched by length, greedy decoding and batched beam search with
+the model's KV cache, the length penalty and the output length limit. train.py's validation BLEU,
+translate.py, bench.py, plot.py and export_ct2.py's CTranslate2 model all decode by these rules.
 """
 import math
 

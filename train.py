@@ -323,9 +323,9 @@ while step < max_steps:
         for micro, (src, tgt_in, rows, targets, *sides) in enumerate(micro_batches):
             if ddp and not cuda_graphs:  # as nanoGPT: all-reduce only on the last micro-step
                 model.require_backward_grad_sync = micro == update_freq - 1
+            targets = targets.to(device)  # a packed batch's are on the host
             with step_context:
                 x = model(src, tgt_in, rows, *sides)
-                targets = targets.to(device)  # a packed batch's are on the host
                 loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
                                                   label_smoothing, chunk_fn)
             # DDP averages gradients over ranks: times world, the sum over all tokens.

@@ -1,6 +1,8 @@
 import ast
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import math
 import os
@@ -30,16 +32,42 @@ def count(model):
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.fixture
-def prepared(tmp_path):
+def write_prepared(folder):
     """bench.synthetic_split written out as data_prep.py writes a prepared folder."""
     data = bench.synthetic_split(300, 500)
     for lang, tok, idx in (('de', *data[:2]), ('en', *data[2:])):
-        tok.astype(np.uint16).tofile(tmp_path / f'train.{lang}.bin')
-        idx.tofile(tmp_path / f'train.{lang}.idx')
+        tok.astype(np.uint16).tofile(folder / f'train.{lang}.bin')
+        idx.tofile(folder / f'train.{lang}.idx')
     meta = dict(src='de', tgt='en', dtype='uint16', **IDS)
-    (tmp_path / 'meta.json').write_text(json.dumps(meta))
-    return str(tmp_path), data
+    (folder / 'meta.json').write_text(json.dumps(meta))
+    return str(folder), data
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    return write_prepared(tmp_path)
+
+
+@pytest.fixture(scope='module')
+def tiny_run(request, tmp_path_factory):
+    """bench.py's tiny run on a prepared folder, with its profile, in both dtypes (bf16 where
+    native: emulated takes minutes), started before conftest.py's toy model trains in this
+    process where a selected test uses it: one thread each on two cores -> (dtypes, its finished
+    process)."""
+    fast = speed.fast_dtype('cpu')
+    dtypes = ['float32']
+    if fast != 'float32':
+        dtypes.append(fast)
+    folder, _ = write_prepared(tmp_path_factory.mktemp('prepared'))
+    argv = [*TINY, '--profile', '--data', folder, '--dtype', *dtypes]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    proc = subprocess.Popen([sys.executable, 'bench.py', *argv], cwd=bench.HERE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    if any('toy' in item.fixturenames for item in request.session.items):
+        request.getfixturevalue('toy')
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]  # a smoke test
+    return dtypes, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_flops_hand_count():
@@ -108,17 +136,10 @@ def test_batches_go_on_into_the_next_epoch_when_one_is_short(prepared):
     assert [len(b[0]) for b in seeded] == list(map(len, dataset.batch_plan(data, 512, 7, 0)[:2]))
 
 
-def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(prepared):
-    # On a data folder: its vocabulary and ids, and both dtypes (bf16 where native: emulated takes
-    # minutes). Synthetic batches run in dev/test_gpu.py's CPU test of gpu_check.py.
-    fast = speed.fast_dtype('cpu')
-    dtypes = ['float32']
-    if fast != 'float32':
-        dtypes.append(fast)
-    argv = [*TINY, '--profile', '--data', prepared[0], '--dtype', *dtypes]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    res = subprocess.run([sys.executable, 'bench.py', *argv], cwd=bench.HERE, capture_output=True,
-                         text=True, env=env, timeout=300, check=True)  # a smoke test
+def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(tiny_run):
+    # On a data folder: its vocabulary and ids, and both dtypes. Synthetic batches run in
+    # dev/test_gpu.py's CPU test of gpu_check.py.
+    dtypes, res = tiny_run
     r = json.loads(res.stdout)
     assert 'aten::mm' in res.stderr and 'Self CPU time total' in res.stderr
     assert [(t['impl'], t['mode'], t['dtype']) for t in r['train']] == [
@@ -139,9 +160,31 @@ def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(prepared):
     assert r['model_cfg'] == dataclasses.asdict(cfg) and r['params'] == count(M.Transformer(cfg))
 
 
+def first_in_a_process(run_script):
+    """bench.run_script that runs the first script as bench.py does, a process, and the others
+    (export_ct2.py, translate.py) in this one: each process would cost a second of imports."""
+    calls = []
+
+    def run(name, *args):
+        calls.append(name)
+        if len(calls) == 1:
+            return run_script(name, *args)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            importlib.import_module(name.removesuffix('.py')).main(list(args))
+        return err.getvalue()
+    return run
+
+
+def nothing(*args):
+    return []
+
+
 def test_translate_rows_decode_the_same_lines_with_model_py_and_its_exports(toy, tmp_path,
                                                                            monkeypatch):
-    monkeypatch.setenv('OMP_NUM_THREADS', '1')  # each row is a translate.py process
+    monkeypatch.setenv('OMP_NUM_THREADS', '1')  # the first script is a process, as bench.py runs it
+    monkeypatch.setattr(bench, 'run_script', first_in_a_process(bench.run_script))
+    monkeypatch.setattr(speed, 'keep_freed_memory', nothing)  # it would stay with this process
     ref = tmp_path / 'ref.txt'
     ref.write_text(''.join(reverse(line) + '\n' for line in toy['lines']))
     r = bench.main(['--translate', toy['ckpt'], '--input', toy['src'], '--ref', str(ref),

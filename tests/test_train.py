@@ -156,13 +156,101 @@ def assert_same_params(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
+def selected(request):
+    """The names of this module's selected tests and of the fixtures they use."""
+    names = set()
+    for item in request.session.items:
+        if item.path == request.path:
+            names.update([item.originalname, *item.fixturenames])
+    return names
+
+
+ONE = ['--max_steps=4', '--dropout=0.0', '--save_interval=1', '--bleu_interval=0',
+       '--schedule=constant', '--warmup=1', '--lr=0.01']
+# train.py run by a wrapper: `python -c WRAPPER train.py ARGS`.
+def wrapped(wrapper):
+    return [sys.executable, '-c', wrapper]
+
+
+CHECKPOINT_COUNTED = (  # train.py with torch.utils.checkpoint counting its calls
+    "import os, runpy, sys, torch.utils.checkpoint as c\n"
+    "f, calls, leave = c.checkpoint, [], os._exit  # os._exit: train.py's last line\n"
+    "c.checkpoint = lambda *a, **k: calls.append(1) or f(*a, **k)\n"
+    "os._exit = lambda code: print('checkpointed layer calls', len(calls), flush=True)"
+    " or leave(code)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path('train.py', run_name='__main__')\n"
+)
+# Compiled with dynamo's 'eager' backend, and each line it prints says how many graphs were
+# compiled by then.
+GRAPHS_COUNTED = (
+    "import runpy, sys, torch\n"
+    "from torch._dynamo.utils import counters\n"
+    "torch._dynamo.config.fail_on_recompile_limit_hit = True\n"
+    "compile, module_compile = torch.compile, torch.nn.Module.compile\n"
+    "torch.compile = lambda fn, **kw: compile(fn, **{**kw, 'backend': 'eager'})\n"
+    "torch.nn.Module.compile = lambda self, **kw: module_compile(self,"
+    " **{**kw, 'backend': 'eager'})\n"
+    "import builtins\n"
+    "say = print\n"
+    "builtins.print = lambda *a, **k: say(*a, 'graphs', counters['stats']['unique_graphs'],"
+    " **k)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path('train.py', run_name='__main__')\n"
+)
+FLOAT32_CPU = ("import runpy, sys, speed\n"  # an AVX2-only CPU: dtype 'auto' is float32
+               "speed.fast_dtype = lambda device_type: 'float32'\n"
+               "sys.argv = sys.argv[1:]\n"
+               "runpy.run_path('train.py', run_name='__main__')\n")
+LEARNED = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2',
+           '--keep_state=2', '--dropout=0.1']
+# The runs that the fixtures below and the tests named read: (args, processes, launcher).
+SHARED = {
+    'run': (['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0'], 1, None),
+    'one': (ONE + ['--update_freq=2'], 1, None),
+    'two': (TWO + ['--max_steps=6', '--keep_state=2'], 2, None),
+    'test_activation_checkpointing_trains_the_same_steps': (
+        ['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0',
+         '--checkpoint_activations=True'], 1, wrapped(CHECKPOINT_COUNTED)),
+    'test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed': (
+        LEARNED + ['--max_steps=4'], 1, None),
+    'test_a_streak_of_non_finite_updates_stops_the_run': (
+        ['--max_steps=20', '--lr=1e38', '--warmup=1', '--max_bad_steps=3'], 1, None),
+    'test_compiled_training_does_not_recompile_per_batch_shape': (
+        ['--max_steps=40', '--compile=True', '--eval_interval=4', '--bleu_interval=0'], 1,
+        wrapped(GRAPHS_COUNTED)),
+    'test_master_weights_are_checked_against_the_dtype_auto_picks': (
+        ['--dtype=auto', '--master_weights=True'], 1, wrapped(FLOAT32_CPU)),
+}
+
+
 @pytest.fixture(scope='module')
-def run(data_dir, tmp_path_factory):
+def shared(request, data_dir, tmp_path_factory):
+    """The runs of SHARED that the selected tests use, started together: each is mostly the import
+    of torch, which two cores do two at a time -> {name: (its out_dir, its process)}."""
+    started = {}
+    for name, (args, nproc, launcher) in SHARED.items():
+        if name in selected(request):
+            out = tmp_path_factory.mktemp(name[:30]) / 'run'
+            started[name] = out, start(args, out, data_dir, nproc, launcher)
+    yield started
+    for _, proc in started.values():  # those a failed fixture left
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def solo(request, shared):
+    """The test's own run of SHARED -> (its out_dir, its process)."""
+    return shared[request.node.originalname]
+
+
+@pytest.fixture(scope='module')
+def run(shared):
     """6 steps with dropout, a snapshot and a state every 3: what most tests copy, resume or
     fine-tune."""
-    out = tmp_path_factory.mktemp('run') / 'run'
-    args = ['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0']
-    return out, train(args, out, data_dir)
+    out, proc = shared['run']
+    return out, finish(proc)
 
 
 def copy_run(run, tmp_path):
@@ -211,35 +299,23 @@ def test_resume_is_exact(run, data_dir, tmp_path):
     assert_same_params(params(out, 'ckpt.pt'), params(run[0], 'ckpt.pt'))
 
 
-def test_activation_checkpointing_trains_the_same_steps(run, data_dir, tmp_path):
+def test_activation_checkpointing_trains_the_same_steps(run, solo):
     # Backward recomputes each layer's forward, dropout masks included: the same losses and weights.
-    counted = (  # train.py with torch.utils.checkpoint counting its calls
-        "import os, runpy, sys, torch.utils.checkpoint as c\n"
-        "f, calls, leave = c.checkpoint, [], os._exit  # os._exit: train.py's last line\n"
-        "c.checkpoint = lambda *a, **k: calls.append(1) or f(*a, **k)\n"
-        "os._exit = lambda code: print('checkpointed layer calls', len(calls), flush=True)"
-        " or leave(code)\n"
-        "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path('train.py', run_name='__main__')\n"
-    )
-    args = ['--max_steps=6', '--save_interval=3', '--dropout=0.1', '--bleu_interval=0',
-            '--checkpoint_activations=True']
-    res = train(args, tmp_path, data_dir, launcher=[sys.executable, '-c', counted])
+    out, proc = solo
+    res = finish(proc)
     calls = int(res.stdout.split('checkpointed layer calls')[1])
     assert calls >= 6 * 2  # 6 steps of 1+1 layers at least
-    assert losses(tmp_path) == losses(run[0])
-    assert_same_params(params(tmp_path, 'ckpt_0000006.pt'), params(run[0], 'ckpt_0000006.pt'))
+    assert losses(out) == losses(run[0])
+    assert_same_params(params(out, 'ckpt_0000006.pt'), params(run[0], 'ckpt_0000006.pt'))
 
 
 @pytest.fixture(scope='module')
-def one(data_dir, tmp_path_factory):
+def one(shared):
     """4 steps of one process with update_freq 2, no dropout, a snapshot each: two processes'
     reference."""
-    args = ['--max_steps=4', '--dropout=0.0', '--save_interval=1', '--bleu_interval=0',
-            '--schedule=constant', '--warmup=1', '--lr=0.01']
-    out = tmp_path_factory.mktemp('one') / 'one'
-    train(args + ['--update_freq=2'], out, data_dir)
-    return out, args
+    out, proc = shared['one']
+    finish(proc)
+    return out, ONE
 
 
 def test_ddp_two_processes_equal_one_process_with_update_freq_2(one, data_dir, tmp_path):
@@ -272,11 +348,11 @@ def test_master_weights_train_a_bf16_copy_as_float32_training_does(one, data_dir
 
 
 @pytest.fixture(scope='module')
-def two(data_dir, tmp_path_factory):
+def two(shared):
     """6 steps of two processes with dropout, a state every 3, both kept: what the resumed,
     stopped, restarted and two-node runs must end equal to."""
-    out = tmp_path_factory.mktemp('two') / 'two'
-    train(TWO + ['--max_steps=6', '--keep_state=2'], out, data_dir, nproc=2)
+    out, proc = shared['two']
+    finish(proc)
     return out
 
 
@@ -298,13 +374,13 @@ def assert_same_run(out, reference):
     assert_same_params(params(out, 'ckpt_0000006.pt'), params(reference, 'ckpt_0000006.pt'))
 
 
-def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(data_dir, tmp_path):
-    # Table 3's rows (E) and (B) as settings: the learned table trains, and the checkpoints, their
-    # average and a resume carry it and the Config (h 3 x d_k 4 = 12, under d_model 32, which 3
-    # does not divide).
-    common = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2',
-              '--keep_state=2', '--dropout=0.1']
-    train(common + ['--max_steps=4'], tmp_path / 'a', data_dir)
+def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(data_dir, tmp_path,
+                                                                            solo):
+    # Table 3's rows (E) and (B) as settings (LEARNED): the learned table trains, and the
+    # checkpoints, their average and a resume carry it and the Config (h 3 x d_k 4 = 12, under
+    # d_model 32, which 3 does not divide).
+    finish(solo[1])
+    shutil.copytree(solo[0], tmp_path / 'a')
     model, _, ckpt = checkpoint.load_checkpoint(str(tmp_path / 'a' / 'ckpt.pt'))
     assert (ckpt['model_cfg']['positions'], ckpt['model_cfg']['d_head']) == ('learned', 4)
     assert model.decoder[0].self_attn.qkv_proj.weight.shape == (3 * 12, 32)
@@ -317,7 +393,7 @@ def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(dat
     shutil.copytree(tmp_path / 'a', tmp_path / 'b')
     for f in ('ckpt.pt', 'ckpt_0000004.pt', 'state_0000004.pt'):
         os.remove(tmp_path / 'b' / f)
-    train(common + ['--max_steps=4', '--init_from=resume'], tmp_path / 'b', data_dir)
+    train(LEARNED + ['--max_steps=4', '--init_from=resume'], tmp_path / 'b', data_dir)
     assert_same_params(params(tmp_path / 'b', 'ckpt_0000004.pt'), four)
 
 
@@ -553,9 +629,8 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
     assert not os.path.exists(tmp_path / 'log.jsonl')
 
 
-def test_a_streak_of_non_finite_updates_stops_the_run(data_dir, tmp_path):
-    args = ['--max_steps=20', '--lr=1e38', '--warmup=1', '--max_bad_steps=3']
-    res = train(args, tmp_path, data_dir, ok=False)
+def test_a_streak_of_non_finite_updates_stops_the_run(solo):  # lr 1e38
+    res = finish(solo[1], ok=False)
     assert 'non-finite updates in a row' in res.stderr
 
 
@@ -597,28 +672,12 @@ def test_training_steps_between_log_lines_read_nothing_back_from_the_device(data
     assert reads[0] == reads[1]
 
 
-def test_compiled_training_does_not_recompile_per_batch_shape(data_dir, tmp_path):
+def test_compiled_training_does_not_recompile_per_batch_shape(data_dir, solo):
     # Token batches change shape every step: compiled per layer with dynamic shapes (as bench.py
     # times it), train.py must not compile per shape, nor fall back to eager at dynamo's recompile
-    # limit (an error here). The backend is dynamo's 'eager': capture and guards, which decide
-    # recompiles, are inductor's too.
-    wrapper = (
-        "import runpy, sys, torch\n"
-        "from torch._dynamo.utils import counters\n"
-        "torch._dynamo.config.fail_on_recompile_limit_hit = True\n"
-        "compile, module_compile = torch.compile, torch.nn.Module.compile\n"
-        "torch.compile = lambda fn, **kw: compile(fn, **{**kw, 'backend': 'eager'})\n"
-        "torch.nn.Module.compile = lambda self, **kw: module_compile(self,"
-        " **{**kw, 'backend': 'eager'})\n"
-        "import builtins\n"  # each line it prints says how many graphs were compiled by then
-        "say = print\n"
-        "builtins.print = lambda *a, **k: say(*a, 'graphs', counters['stats']['unique_graphs'],"
-        " **k)\n"
-        "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path('train.py', run_name='__main__')\n"
-    )
-    args = ['--max_steps=40', '--compile=True', '--eval_interval=4', '--bleu_interval=0']
-    res = train(args, tmp_path, data_dir, launcher=[sys.executable, '-c', wrapper])
+    # limit (an error here). The backend is dynamo's 'eager' (GRAPHS_COUNTED): capture and
+    # guards, which decide recompiles, are inductor's too.
+    res = finish(solo[1])
     graphs = []
     for line in res.stdout.splitlines():
         if line.startswith(('step 8 ', 'step 40 ')):
@@ -802,14 +861,10 @@ def test_cuda_graphs_head_sizes_outside_flash_attentions_are_refused():
         assert 'multiple of 8 and at most 256' in problem(head_size)
 
 
-def test_master_weights_are_checked_against_the_dtype_auto_picks(data_dir, tmp_path):
-    # On an AVX2-only CPU dtype='auto' is float32: a bf16 copy would be a redundant float32 one.
-    wrapper = ("import runpy, sys, speed\n"
-               "speed.fast_dtype = lambda device_type: 'float32'\n"
-               "sys.argv = sys.argv[1:]\n"
-               "runpy.run_path('train.py', run_name='__main__')\n")
-    res = train(['--dtype=auto', '--master_weights=True'], tmp_path, data_dir, ok=False,
-                launcher=[sys.executable, '-c', wrapper])
+def test_master_weights_are_checked_against_the_dtype_auto_picks(solo):
+    # On an AVX2-only CPU dtype='auto' is float32 (FLOAT32_CPU): a bf16 copy would be a redundant
+    # float32 one.
+    res = finish(solo[1], ok=False)
     assert 'master_weights must be False with dtype float32' in res.stderr
 
 
@@ -853,7 +908,7 @@ runpy.run_path('train.py', run_name='__main__')
 
 def stopped_run(args, out_dir, data_dir, how, at, rank=0, torchrun_flags=()):
     """train.py under torchrun with 2 processes (or 1 with no flags), rank `rank` sent the signals
-    `how` at update `at` -> the finished process."""
+    `how` at update `at`, started -> the running process."""
     script = out_dir.parent / f'stopper_{out_dir.name}.py'
     script.write_text(STOPPER)
     launcher = [sys.executable, str(script)]
@@ -863,7 +918,36 @@ def stopped_run(args, out_dir, data_dir, how, at, rank=0, torchrun_flags=()):
                     *torchrun_flags, str(script)]
     cmd = launcher + ['train.py'] + TINY + [f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
     env = dict(os.environ, OMP_NUM_THREADS='1', STOP_AT=str(at), STOP_RANK=str(rank), STOP_HOW=how)
-    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+# The runs the tests below stop: (args, signals, at update, on rank, torchrun's flags). The killed
+# worker's first: its time is taken as it ends.
+STOPS = dict(
+    killed=(TWO + ['--max_steps=6'], 'SIGKILL', 5, 1, ['--max-restarts=0']),
+    sigterm=(TWO + ['--max_steps=6'], 'SIGTERM', 4, 1, ['--max-restarts=0']),
+    restarted=(TWO + ['--max_steps=6'], 'SIGKILL', 5, 1, ['--max-restarts=1']),
+    second_signal=(['--max_steps=6', '--save_interval=3'], 'SIGINT,SIGINT', 2, 0, []),
+)
+
+
+@pytest.fixture(scope='module')
+def stopped(data_dir, tmp_path_factory):
+    """The runs of STOPS, started together (torchrun's processes are mostly imports, which two
+    cores overlap) -> {name: (its out_dir, its finished process, seconds from its start to its
+    end)}."""
+    started = {}
+    for name, (args, how, at, rank, flags) in STOPS.items():
+        out = tmp_path_factory.mktemp(name) / 'run'
+        proc = stopped_run(args, out, data_dir, how, at, rank, flags)
+        started[name] = out, proc, time.time()
+    ended = {}
+    for name, (out, proc, t) in started.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        ended[name] = out, res, time.time() - t
+    return ended
 
 
 def test_the_same_command_continues_a_finished_run_and_keeps_its_log(run, data_dir, tmp_path):
@@ -875,10 +959,8 @@ def test_the_same_command_continues_a_finished_run_and_keeps_its_log(run, data_d
 
 
 def test_sigterm_to_one_rank_saves_both_at_one_step_and_the_same_command_goes_on(two, data_dir,
-                                                                               tmp_path):
-    out = tmp_path / 'run'
-    res = stopped_run(TWO + ['--max_steps=6'], out, data_dir, 'SIGTERM', at=4, rank=1,
-                      torchrun_flags=['--max-restarts=0'])
+                                                                               stopped):
+    out, res, _ = stopped['sigterm']
     assert res.returncode != 0 and 'SIGTERM' not in res.stdout
     assert "stopped at step 4 with a training state" in res.stderr, res.stderr[:3000]
     assert [os.path.basename(p) for p in checkpoint.checkpoints(str(out), 'state')] == [
@@ -887,31 +969,24 @@ def test_sigterm_to_one_rank_saves_both_at_one_step_and_the_same_command_goes_on
     assert_same_run(out, two)
 
 
-def test_a_second_signal_stops_at_once(data_dir, tmp_path):
-    res = stopped_run(['--max_steps=6', '--save_interval=3'], tmp_path / 'run', data_dir,
-                      'SIGINT,SIGINT', at=2)
+def test_a_second_signal_stops_at_once(stopped):
+    out, res, _ = stopped['second_signal']
     assert res.returncode == 128 + 2 and 'Traceback' not in res.stderr
-    assert not checkpoint.checkpoints(str(tmp_path / 'run'), 'state')
+    assert not checkpoint.checkpoints(str(out), 'state')
 
 
-def test_torchrun_restarts_after_a_killed_worker_end_as_an_uninterrupted_run(two, data_dir,
-                                                                             tmp_path):
-    out = tmp_path / 'run'
-    res = stopped_run(TWO + ['--max_steps=6'], out, data_dir, 'SIGKILL', at=5, rank=1,
-                      torchrun_flags=['--max-restarts=1'])
+def test_torchrun_restarts_after_a_killed_worker_end_as_an_uninterrupted_run(two, stopped):
+    out, res, _ = stopped['restarted']
     assert res.returncode == 0, res.stderr[-3000:]
     assert 'resuming from' in res.stdout and 'state_0000003.pt' in res.stdout
     assert_same_run(out, two)
 
 
 def test_a_killed_worker_ends_the_run_at_once_and_the_same_command_goes_on(two, data_dir,
-                                                                          tmp_path):
+                                                                          stopped):
     # torchrun SIGTERMs the other worker: its save must not wait on the dead one.
-    out = tmp_path / 'run'
-    started = time.time()
-    res = stopped_run(TWO + ['--max_steps=6'], out, data_dir, 'SIGKILL', at=5, rank=1,
-                      torchrun_flags=['--max-restarts=0'])
-    assert res.returncode != 0 and time.time() - started < 60  # ddp_timeout_minutes is 60
+    out, res, seconds = stopped['killed']
+    assert res.returncode != 0 and seconds < 60  # ddp_timeout_minutes is 60
     assert 'another process of this run failed or left' in res.stderr, res.stderr[-3000:]
     assert 'train.py", line' not in res.stderr  # torchrun's own traceback aside
     for path in glob.glob(str(out / '*.pt')):  # whole files under real names
@@ -930,14 +1005,16 @@ def node(node_rank, port, out_dir, data_dir):
 
 def test_two_nodes_on_one_machine_train_as_two_processes_and_need_one_out_dir(two, data_dir,
                                                                             tmp_path):
-    port = free_port()
+    # Both pairs of nodes at once: one into a shared out_dir, one into an out_dir each.
+    port, own = free_port(), free_port()
+    while own == port:
+        own = free_port()
     nodes = [node(r, port, tmp_path / 'shared', data_dir) for r in (0, 1)]
+    refused_nodes = [node(r, own, tmp_path / f'own_{r}', data_dir) for r in (0, 1)]
     for p in nodes:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
     assert_same_run(tmp_path / 'shared', two)
-    port = free_port()
-    nodes = [node(r, port, tmp_path / f'own_{r}', data_dir) for r in (0, 1)]
-    for p in nodes:
+    for p in refused_nodes:
         _, err = p.communicate(timeout=300)
         assert p.returncode != 0 and 'is not the same folder on every node' in err, err[-3000:]

@@ -52,3 +52,28 @@ def multi30k_en_de(tmp_path_factory):
         pytest.skip('no Multi30k copy in ../shared/data')
     out = tmp_path_factory.mktemp('multi30k') / 'multi30k_en_de'
     return out, data_prep.main(['multi30k', '--src', 'en', '--tgt', 'de', '--out', str(out)])
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', "started_early: the test reads a run that its module's "
+                            "start_early(request) starts before the session's first test")
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked started_early go last: their runs overlap the rest of the suite, whose
+    train.py processes mostly keep one of the two cores busy."""
+    items.sort(key=lambda item: item.get_closest_marker('started_early') is not None)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def started_early(request):
+    """{test name: (process, what else its module's start_early(request) gave)} of the selected
+    tests marked started_early, started before the first test; killed if the session ends first."""
+    runs = {}
+    for item in request.session.items:
+        if item.get_closest_marker('started_early'):
+            runs[item.originalname] = item.module.start_early(request)
+    yield runs
+    for process, _ in runs.values():
+        process.kill()
+        process.wait()

@@ -27,19 +27,23 @@ from test_train import free_port, records, toy_corpus, train  # noqa: E402
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 
 
-@pytest.fixture(scope='module')
-def data_dir(request, tmp_path_factory):
+def toy_data_dir(request):
     """test_train.py's toy corpus (conftest.py's, which test_train.py reads too). Where rustbpe is
     missing to learn its BPE (a GPU machine's image may lack it): with a tokenizer of the 256 bytes
     alone, which data_prep.py takes as given (--tokenizer)."""
     if importlib.util.find_spec('rustbpe'):
         return request.getfixturevalue('toy_data')
-    root = tmp_path_factory.mktemp('toy')
+    root = request.getfixturevalue('tmp_path_factory').mktemp('toy')
     ranks = [[base64.b64encode(bytes([i])).decode('ascii'), i] for i in range(256)]
     specials = {s: 256 + i for i, s in enumerate(data_prep.SPECIALS)}
     tokenizer = dict(name='bytes', pattern=data_prep.PATTERN, ranks=ranks, special_tokens=specials)
     (root / 'bytes.json').write_text(json.dumps(tokenizer))
     return toy_corpus(root, tokenizer=root / 'bytes.json')
+
+
+@pytest.fixture(scope='module')
+def data_dir(request):
+    return toy_data_dir(request)
 
 
 @pytest.fixture(autouse=True)
@@ -227,20 +231,30 @@ def test_a_bfloat16_run_resumes_in_float16(data_dir, tmp_path):
     assert [r['step'] for r in records(tmp_path, 'loss')] == [1, 2, 3]
 
 
-def test_gpu_check_runs_end_to_end_in_tiny_mode_on_the_cpu(data_dir, tmp_path):
+def start_early(request):
+    """gpu_check.py --tiny, started before the session's first test (conftest.py): 13 s on one
+    core, which the rest of the suite overlaps -> (its process, its out folder)."""
+    out = request.getfixturevalue('tmp_path_factory').mktemp('gpu_check') / 'out'
+    script = os.path.join(ROOT, 'dev', 'gpu_check.py')
+    cmd = [sys.executable, script, str(out), toy_data_dir(request), '--tiny']
+    with open(out.parent / 'output.txt', 'w') as output:  # a pipe nobody reads yet could fill
+        process = subprocess.Popen(cmd, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+    return process, out
+
+
+@pytest.mark.started_early
+def test_gpu_check_runs_end_to_end_in_tiny_mode_on_the_cpu(started_early):
     # Its stages on the CPU, tiny (gpu_check.py --tiny): a check on a GPU machine must not find it
     # broken.
-    out = tmp_path / 'out'
-    script = os.path.join(ROOT, 'dev', 'gpu_check.py')
-    res = subprocess.run([sys.executable, script, str(out), data_dir, '--tiny'], cwd=ROOT,
-                         capture_output=True, text=True, timeout=170)
+    process, out = started_early['test_gpu_check_runs_end_to_end_in_tiny_mode_on_the_cpu']
+    process.wait(timeout=170)
     report = json.loads((out / 'report.json').read_text())
     stages = {s['name']: s for s in report['stages']}
     names = ['test_gpu.py', 'bench tiny 256', 'bench data 256', 'train wmt_base', 'translate beam',
              'translate greedy']
     statuses = {k: s['status'] for k, s in stages.items()}
     assert statuses == dict.fromkeys(names, 'ok'), (out / 'summary.txt').read_text()
-    assert res.returncode == 0 and report['data']['src'] == 'xx'  # the languages of meta.json
+    assert process.returncode == 0 and report['data']['src'] == 'xx'  # the languages of meta.json
     tests = stages['test_gpu.py']
     assert tests['counts']['skipped'] >= 8 and not tests['failures']
     for name in ('bench tiny 256', 'bench data 256'):

@@ -56,7 +56,7 @@ def multi30k_en_de(tmp_path_factory):
 
 def pytest_configure(config):
     config.addinivalue_line('markers', "started_early: the test reads a run that its module's "
-                            "start_early(request) starts before the session's first test")
+                            "start_early(request) starts before the first test")
 
 
 def pytest_collection_modifyitems(items):
@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope='session', autouse=True)
 def started_early(request):
     """{test name: (process, what else its module's start_early(request) gave)} of the selected
-    tests marked started_early, started before the first test; killed if the session ends first."""
+    tests marked started_early, started before the first test; killed if the test run ends first."""
     runs = {}
     for item in request.session.items:
         if item.get_closest_marker('started_early'):

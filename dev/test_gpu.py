@@ -232,8 +232,8 @@ def test_a_bfloat16_run_resumes_in_float16(data_dir, tmp_path):
 
 
 def start_early(request):
-    """gpu_check.py --tiny, started before the session's first test (conftest.py): 13 s on one
-    core, which the rest of the suite overlaps -> (its process, its out folder)."""
+    """gpu_check.py --tiny, started before the first test (conftest.py): 13 s on one core, which
+    the rest of the suite overlaps -> (its process, its out folder)."""
     out = request.getfixturevalue('tmp_path_factory').mktemp('gpu_check') / 'out'
     script = os.path.join(ROOT, 'dev', 'gpu_check.py')
     cmd = [sys.executable, script, str(out), toy_data_dir(request), '--tiny']

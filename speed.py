@@ -340,7 +340,7 @@ class Graphed:
         # The rows come from the host: no other thread may use the GPU during a capture.
         s, t = sides
         device = next(self.model.parameters()).device
-        inputs = [x.to(device) for x in (src, tgt, s.cu, s.pos, t.cu, t.pos)]
+        inputs = tuple(x.to(device) for x in (src, tgt, s.cu, s.pos, t.cu, t.pos))
         key = (src.size(1), len(s.cu), s.max_len)
         if key not in self.graphs:
             body = Body(self.model, s.max_len)

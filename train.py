@@ -220,7 +220,7 @@ def get_lr(step, elapsed=0.0):
         rate = lr * min(step / warmup, 1.0)
     if cooldown == 0:
         return rate
-    # by the budget that ends the run first
+    # the cooldown: to 0 over the run's last share, by the budget (steps or time) ending it first
     done = step / max_steps
     if max_minutes > 0:
         done = max(done, elapsed / (max_minutes * 60))

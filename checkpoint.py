@@ -8,6 +8,7 @@ Checkpoints and run folders, shared by train.py, translate.py, export_ct2.py and
 docs/formats.md describes the files.
 """
 import contextlib
+import dataclasses
 import glob
 import json
 import math
@@ -15,7 +16,6 @@ import os
 import re
 import sys
 import tempfile
-import dataclasses
 
 import torch
 
@@ -87,9 +87,6 @@ def lock_folder(folder, busy=None):
 
 # --- the run folder of train.py ------------------------------------------------------------------
 
-# What a training state holds beside a weights snapshot's keys.
-TRAINING_KEYS = ('optimizer', 'scaler', 'epoch', 'rng', 'next_batch', 'best_bleu', 'elapsed',
-                 'train_split')
 RUN_FILE = re.compile(r'log\.jsonl|(ckpt|state)\w*\.pt')
 held_locks = []  # open until the process ends
 
@@ -268,9 +265,10 @@ def architecture_of(model_cfg, config):
     return arch
 
 
-def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_type):
+def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_type, log):
     """Put a training state's optimizer, loss scaler and random generators back, and clear what a
-    killed run left in out_dir. -> its step, epoch, next batch, training seconds and best BLEU."""
+    killed run left in out_dir (partial saves, the log past the state). -> its step, epoch, next
+    batch, training seconds and best validation BLEU."""
     step = state['step']
     load_optimizer_state(optimizer, state, path)
     if state['scaler'] and scaler.is_enabled():  # else the scaler is off and its state empty
@@ -278,19 +276,10 @@ def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_ty
     if not restore_rng(state['rng'], rank, world, device_type):
         # The generators were saved per rank: another number of ranks cannot go on with them.
         torch.manual_seed(seed + rank + 1000003 * step)
-        if rank == 0:
-            print(f"resumed by {world} process(es), saved by {len(state['rng'])}: "
-                  f"dropout is reseeded")
+        log(f"resumed by {world} process(es), saved by {len(state['rng'])}: dropout is reseeded")
     if rank == 0:
         remove_partial_saves(out_dir)
         trim_log(out_dir, step)
-        snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
-        if not os.path.exists(snapshot):  # killed between the state and its snapshot
-            weights = {}
-            for key, value in state.items():
-                if key not in TRAINING_KEYS:
-                    weights[key] = value
-            save_atomic(weights, snapshot)
     best_bleu = max(state['best_bleu'], best_bleu_in(out_dir))
     return step, state['epoch'], state['next_batch'], state['elapsed'], best_bleu
 

@@ -160,13 +160,16 @@ def batch_plan(data, max_tokens, seed, epoch, shuffle=True):
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def updates(data, max_tokens, seed, n, epoch, batch_idx):
-    """-> the updates of n batches each (processes x update_freq) from batch_plan's epochs, from
-    batch batch_idx of epoch on; a training set of fewer than n batches is refused at once."""
+def updates(data, max_tokens, seed, world, update_freq, epoch, batch_idx):
+    """-> the updates of world x update_freq batches each from batch_plan's epochs, from batch
+    batch_idx of epoch on. A training set too small for one update is refused here, before any
+    work, not in the thread that will draw the updates (dataset.prefetched)."""
     plan = batch_plan(data, max_tokens, seed, epoch)
+    n = world * update_freq
     if n > len(plan):
         sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, "
-                 f"fewer than the {n} an update needs (processes x update_freq)")
+                 f"fewer than the {n} an update needs ({world} process(es) x update_freq "
+                 f"{update_freq})")
     return each_update(data, plan, max_tokens, seed, n, epoch, batch_idx)
 
 

@@ -56,17 +56,17 @@ def eta(step, max_steps, elapsed, max_minutes):
     return max(left, 0)
 
 
-def log_line(sums, out_dir, step, epoch, lr, grad_norm, elapsed, eta, seconds):
-    """The line and its record, of the updates since the last one (they took seconds)."""
+def log_line(sums, out_dir, step, epoch, lr, grad_norm, elapsed, eta, interval):
+    """The line and its record, of the updates since the last one; they took interval seconds."""
     tokens = sums['tokens']
     loss = sums['loss'].item() / tokens
     ppl = math.exp(min(sums['nll'].item() / tokens, 50))
     grad_norm = grad_norm.item()
     print(f"step {step} | epoch {epoch} | loss {loss:.3f} | ppl {ppl:.2f} | lr {lr:.2e} | "
-          f"gnorm {grad_norm:.2f} | {tokens / seconds:,.0f} tgt tok/s | "
+          f"gnorm {grad_norm:.2f} | {tokens / interval:,.0f} tgt tok/s | "
           f"{elapsed / 60:.1f} min | ETA {eta / 60:.1f} min", flush=True)
     append(out_dir, dict(step=step, epoch=epoch, loss=loss, ppl=ppl, lr=lr, grad_norm=grad_norm,
-                         tok_per_s=tokens / seconds, elapsed_min=elapsed / 60, eta_min=eta / 60,
+                         tok_per_s=tokens / interval, elapsed_min=elapsed / 60, eta_min=eta / 60,
                          skipped=int(sums['skipped'].item())))  # skipped: non-finite updates
 
 

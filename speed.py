@@ -337,7 +337,8 @@ class Graphed:
         self.graphs = {}
 
     def __call__(self, src, tgt, rows, *sides):  # the decoder states at rows, as model(...)
-        # The rows come from the host: no other thread may use the GPU during a capture.
+        # pack leaves a batch on the host: copied here, as no other thread may use the GPU
+        # during a capture.
         s, t = sides
         device = next(self.model.parameters()).device
         inputs = tuple(x.to(device) for x in (src, tgt, s.cu, s.pos, t.cu, t.pos))

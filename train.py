@@ -62,7 +62,7 @@ positions = 'sinusoidal'  # or 'learned': Table 3 row (E)
 max_tokens = 4096      # padded source or target tokens per GPU per micro-step
 update_freq = 1        # micro-steps accumulated per update: N GPUs ~ 1 GPU with update_freq N
 max_steps = 100000
-max_minutes = 0.0      # also stop after this much training time (0: no limit)
+max_minutes = 0.0      # also stop after this much training time, resumes included (0: no limit)
 schedule = 'noam'      # the paper's; 'inverse_sqrt' (fairseq's) or 'constant' peak at lr
 lr = 5e-4
 lr_scale = 1.0         # on 'noam'
@@ -136,16 +136,16 @@ if state is None:
     model_cfg = M.Config(**model_args, vocab_size=vocab_size, pad_id=PAD, bos_id=BOS, eos_id=EOS)
 else:
     model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture
+# Dropout is a training setting; ids past the tokenizer's are never made.
+model_cfg.dropout = dropout
+model_cfg.attn_dropout = attn_dropout
+model_cfg.tokenizer_size = enc.n_vocab
 if fine_tuned_from:  # the config saved with each checkpoint is the model's
     arch = checkpoint.architecture_of(model_cfg, config)
     if arch:
         log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
         config.update(arch)
         globals().update(arch)
-# Dropout is a training setting; ids past the tokenizer's are never made.
-model_cfg.dropout = dropout
-model_cfg.attn_dropout = attn_dropout
-model_cfg.tokenizer_size = enc.n_vocab
 dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_tokens,
                     model_cfg.max_len, data_dir, log)
 raw_model = M.Transformer(model_cfg).to(device)
@@ -163,8 +163,12 @@ elapsed = 0.0  # training seconds so far, a resumed run's included
 best_bleu = -1.0
 if start == 'resume':
     step, epoch, batch_idx, elapsed, best_bleu = checkpoint.resume(
-        state, init_path, optimizer, scaler, out_dir, seed, rank, world, device_type)
+        state, init_path, optimizer, scaler, out_dir, seed, rank, world, device_type, log)
 del state
+
+
+if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2
+    graph_len = speed.graph_length(dataset.pair_sizes(train_data).max(), model_cfg.max_len)
 
 
 def get_batch(data, ids, packed=False):
@@ -179,17 +183,15 @@ def get_batch(data, ids, packed=False):
     return [x.to(device, non_blocking=True) for x in batch]
 
 
-def micro_batches(updates):
+def this_ranks_batches(updates):
     """Each update with this rank's batches: micro-step m takes batch m * world + rank."""
-    for epoch, batch_idx, ntok, update in updates:
-        batches = [get_batch(train_data, ids, cuda_graphs) for ids in update[rank::world]]
-        yield epoch, batch_idx, ntok, batches
+    for update_epoch, next_batch, ntok, update in updates:
+        mine = [get_batch(train_data, ids, cuda_graphs) for ids in update[rank::world]]
+        yield update_epoch, next_batch, ntok, mine
 
 
-if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2
-    graph_len = speed.graph_length(dataset.pair_sizes(train_data).max(), model_cfg.max_len)
-updates = dataset.updates(train_data, max_tokens, seed, world * update_freq, epoch, batch_idx)
-batches = dataset.prefetched(micro_batches(updates))  # a thread makes them during a step
+updates = dataset.updates(train_data, max_tokens, seed, world, update_freq, epoch, batch_idx)
+batches = dataset.prefetched(this_ranks_batches(updates))  # a thread makes them during a step
 if start != 'resume' and run_files:  # --overwrite: only now that every input has loaded
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
@@ -298,6 +300,11 @@ def save_snapshots():
         dist.barrier()  # every rank reads them at the end
 
 
+if start == 'resume' and master:  # killed between a state and its snapshot
+    snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
+    if not os.path.exists(snapshot):
+        save(snapshot)
+
 # -----------------------------------------------------------------------------------------------
 # training loop
 log(json.dumps(config, indent=1))
@@ -306,7 +313,8 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
     f"ready {time.time() - _t_process:.1f}s after start")
 t_start = time.time() - elapsed
 t_last = time.time()
-# clock: the training time every rank goes by, under DDP agreed at log steps
+# clock: the training time every rank goes by; under DDP agreed at log steps, where the host waits
+# for the GPU anyway
 clock = elapsed
 last_save = elapsed
 sums = progress.new_sums(device)
@@ -341,8 +349,10 @@ while step < max_steps:
     if master_weights:  # the float32 model takes the copy's gradients
         speed.gradients_to_master(raw_model, train_model)
     scaler.unscale_(optimizer)
-    # clip_grad 0: the norm is taken anyway, for the log and to find non-finite updates
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip_grad or math.inf)
+    max_norm = math.inf  # the norm is taken anyway: the log shows it, and it finds non-finite steps
+    if clip_grad > 0:
+        max_norm = clip_grad
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
     # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does.
     bad = ~torch.isfinite(grad_norm)
     optimizer.found_inf = bad.float()
@@ -368,8 +378,9 @@ while step < max_steps:
         progress.stop_if_diverged(sums, max_bad_steps)
         if master:
             eta = progress.eta(step, max_steps, elapsed, max_minutes)
-            progress.log_line(sums, out_dir, step, epoch, lr_now, grad_norm, elapsed, eta,
-                              time.time() - t_last)
+            progress.log_line(sums, out_dir, step=step, epoch=epoch, lr=lr_now,
+                              grad_norm=grad_norm, elapsed=elapsed, eta=eta,
+                              interval=time.time() - t_last)
         progress.reset(sums)
     # The last step is evaluated after the averaging below.
     if (every(eval_interval) or every(bleu_interval)) and step != max_steps:

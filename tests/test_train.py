@@ -407,12 +407,13 @@ def test_a_used_out_dir_is_refused_unless_overwrite_which_waits_for_every_input(
     tuned = outs[3]
     fine_tune = start(['--max_steps=1', '--overwrite=True', f'--init_from={tuned / "ckpt.pt"}'],
                       tuned, data_dir)
-    err, _, _ = refused((['--max_steps=2'], outs[0], data_dir),
-                        (['--max_steps=1', '--overwrite=True'], outs[1], tmp_path / 'typo'),
-                        (['--max_steps=1', '--overwrite=True', '--update_freq=1000'], outs[2],
-                         data_dir))
+    err, _, too_few = refused(
+        (['--max_steps=2'], outs[0], data_dir),
+        (['--max_steps=1', '--overwrite=True'], outs[1], tmp_path / 'typo'),
+        (['--max_steps=1', '--overwrite=True', '--update_freq=1000'], outs[2], data_dir))
     finish(fine_tune)
     assert str(outs[0]) in err and '--init_from=resume' in err and '--overwrite=True' in err
+    assert '1 process(es) x update_freq 1000' in too_few
     for out in outs[:3]:
         assert len(records(out, 'loss')) == 6 and os.path.exists(out / 'ckpt.pt')
     assert [r['step'] for r in records(tuned, 'loss')] == [1]
@@ -466,13 +467,14 @@ def test_fine_tune_starts_from_the_checkpoint_weights_with_a_fresh_optimizer(run
                                                                              tmp_path):
     # lr 0: the new run's first state holds the source weights unchanged, at step 1, with a fresh
     # optimizer. The settings' d_model (TINY's 32 and 48 here) is the checkpoint's to decide, and
-    # said.
-    args = ['--lr=0.0', '--d_model=48', '--n_heads=6', '--positions=learned']
+    # said; dropout (the run's 0.1, 0.3 here) is the new run's.
+    args = ['--lr=0.0', '--d_model=48', '--n_heads=6', '--positions=learned', '--dropout=0.3']
     args += [f'--init_from={run[0] / "ckpt.pt"}']
     res = train(['--max_steps=1', '--save_interval=1'] + args, tmp_path / 'b', data_dir)
     new = torch.load(tmp_path / 'b' / 'state_0000001.pt', weights_only=False)
     assert "keeps the checkpoint's architecture" in res.stdout and new['config']['d_model'] == 32
     assert new['config']['positions'] == new['model_cfg']['positions'] == 'sinusoidal'
+    assert new['config']['dropout'] == new['model_cfg']['dropout'] == 0.3
     assert_same_params(params(run[0], 'ckpt.pt'), new['model'])
     assert all(s['step'].item() == 1 for s in new['optimizer']['state'].values())
     # As it began.

@@ -202,6 +202,14 @@ FLOAT32_CPU = ("import runpy, sys, speed\n"  # an AVX2-only CPU: dtype 'auto' is
                "speed.fast_dtype = lambda device_type: 'float32'\n"
                "sys.argv = sys.argv[1:]\n"
                "runpy.run_path('train.py', run_name='__main__')\n")
+# train.py's cuda_graphs path on the CPU: the capture is the callable itself, and attention within
+# each packed sentence is speed.attend's CPU path.
+GRAPHS_MOCKED = ("import runpy, sys, torch, speed\n"
+                 "speed.check_settings = lambda *args: None\n"
+                 "torch.cuda.make_graphed_callables = lambda body, inputs: body\n"
+                 "sys.argv = sys.argv[1:]\n"
+                 "runpy.run_path('train.py', run_name='__main__')\n")
+NO_DROPOUT = ['--max_steps=5', '--dropout=0.0']
 LEARNED = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2',
            '--keep_state=2', '--dropout=0.1']
 # The runs that the fixtures below and the tests named read: (args, processes, launcher).
@@ -219,6 +227,9 @@ SHARED = {
     'test_compiled_training_does_not_recompile_per_batch_shape': (
         ['--max_steps=40', '--compile=True', '--eval_interval=4', '--bleu_interval=0'], 1,
         wrapped(GRAPHS_COUNTED)),
+    'padded': (NO_DROPOUT, 1, None),
+    'test_the_cuda_graphs_path_trains_as_padded_batches_do': (
+        NO_DROPOUT + ['--cuda_graphs=True'], 1, wrapped(GRAPHS_MOCKED)),
     'test_master_weights_are_checked_against_the_dtype_auto_picks': (
         ['--dtype=auto', '--master_weights=True'], 1, wrapped(FLOAT32_CPU)),
 }
@@ -861,6 +872,25 @@ def test_cuda_graphs_head_sizes_outside_flash_attentions_are_refused():
     assert problem(64) is None and problem(256) is None
     for head_size in (512, 12, 4):  # Table 3 row A at h=1 is 512
         assert 'multiple of 8 and at most 256' in problem(head_size)
+
+
+@pytest.fixture(scope='module')
+def padded(shared):
+    """5 steps without dropout, padded batches."""
+    out, proc = shared['padded']
+    finish(proc)
+    return out
+
+
+def test_the_cuda_graphs_path_trains_as_padded_batches_do(padded, solo):
+    # Rows packed to a fixed size, stepped as the CUDA graphs step them (GRAPHS_MOCKED: on the CPU,
+    # the capture is the callable itself): the training and validation losses of padded batches.
+    # (Not the weights: the keys' bias has a zero gradient but for rounding, which Adam scales up.)
+    out, proc = solo
+    finish(proc)
+    assert losses(out) == pytest.approx(losses(padded), rel=1e-5)
+    (valid,), (want,) = records(out, 'valid_loss'), records(padded, 'valid_loss')
+    assert valid['valid_loss'] == pytest.approx(want['valid_loss'], rel=1e-5)
 
 
 def test_master_weights_are_checked_against_the_dtype_auto_picks(solo):

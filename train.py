@@ -196,7 +196,8 @@ if start != 'resume' and run_files:  # --overwrite: only now that every input ha
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
 # -----------------------------------------------------------------------------------------------
-# the speed paths: the model the steps run on (docs/performance.md)
+# the speed paths (docs/performance.md). raw_model: the float32 weights Adam steps and checkpoints
+# hold; train_model: what the steps run (a bf16 copy with master_weights); model: how it is called
 train_model, chunk_fn = speed.training_model(raw_model, ddp, master_weights, dtype,
                                               checkpoint_activations, compile)
 model = train_model

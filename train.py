@@ -64,7 +64,7 @@ update_freq = 1        # micro-steps accumulated per update: N GPUs ~ 1 GPU with
 max_steps = 100000
 max_minutes = 0.0      # also stop after this much training time, resumes included (0: no limit)
 schedule = 'noam'      # the paper's; 'inverse_sqrt' (fairseq's) or 'constant' peak at lr
-lr = 5e-4
+lr = 5e-4              # the peak of 'inverse_sqrt' and 'constant' ('noam' has its own)
 lr_scale = 1.0         # on 'noam'
 warmup = 4000
 cooldown = 0.0         # LR falls linearly to 0 over this last share of the run
@@ -115,7 +115,8 @@ speed.configure_backends(device_type, dtype, checkpoint_activations)
 # A CUDA graph casts the weights in its replays: autocast must not cache the casts.
 autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
                           cache_enabled=not cuda_graphs)
-# start: init_from, with 'auto' resolved by what out_dir holds
+# start: init_from, with 'auto' resolved by what out_dir holds. A resume reads the newest state in
+# checkpoint.initial_state and puts it back in checkpoint.resume, below.
 start, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
 # -----------------------------------------------------------------------------------------------
@@ -314,8 +315,8 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
     f"ready {time.time() - _t_process:.1f}s after start")
 t_start = time.time() - elapsed
 t_last = time.time()
-# clock: the training time every rank goes by; under DDP agreed at log steps, where the host waits
-# for the GPU anyway
+# elapsed: training seconds, resumes included; clock: the same as every rank goes by, under DDP
+# agreed at log steps, where the host waits for the GPU anyway; t_last: the last log line's time
 clock = elapsed
 last_save = elapsed
 sums = progress.new_sums(device)
@@ -334,10 +335,13 @@ while step < max_steps:
                 model.require_backward_grad_sync = micro == update_freq - 1
             targets = targets.to(device)  # a packed batch's are on the host
             with step_context:
+                # x: the decoder's states at the real target tokens (rows of the flattened batch);
+                # the loss projects them with the shared embedding (section 3.4).
                 x = model(src, tgt_in, rows, *sides)
                 loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
                                                   label_smoothing, chunk_fn)
-            # DDP averages gradients over ranks: times world, the sum over all tokens.
+            # loss is this micro-batch's sum: over the update's tokens on every rank, the mean.
+            # DDP averages the gradients over the ranks, so times world.
             scaler.scale(loss * world / ntok_update).backward()
             sums['loss'] += loss.detach()
             sums['nll'] += nll
@@ -354,7 +358,8 @@ while step < max_steps:
     if clip_grad > 0:
         max_norm = clip_grad
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
-    # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does.
+    # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does: the
+    # fused optimizer reads found_inf (model.configure_optimizer).
     bad = ~torch.isfinite(grad_norm)
     optimizer.found_inf = bad.float()
     scaler.step(optimizer)

@@ -255,14 +255,31 @@ def check_resume(state, config, fine_tuned_from, train_split, out_dir):
                  f"--init_from={out_dir}/ckpt.pt")
 
 
-def architecture_of(model_cfg, config):
-    """The settings of a checkpoint's architecture that differ from config's: fine-tuning keeps the
-    checkpoint's, and the config saved with each checkpoint must be the model's."""
-    arch = {}
-    for key, value in dataclasses.asdict(model_cfg).items():
-        if key in config and config[key] != value:
-            arch[key] = value
-    return arch
+def model_config(state, fine_tuned_from, config, meta, tokenizer_size, log):
+    """The model's Config: the settings' for a new model, else the checkpoint's architecture, which
+    fine-tuning keeps (config takes it: the config saved with each checkpoint is the model's)."""
+    if state is None:
+        names = [f.name for f in dataclasses.fields(M.Config)]
+        model_args = {key: config[key] for key in names if key in config}
+        # The vocabulary rounded up to a multiple of 8: the output matmul fits the tensor cores.
+        vocab_size = (meta['vocab_size'] + 7) // 8 * 8
+        cfg = M.Config(**model_args, vocab_size=vocab_size, pad_id=meta['pad_id'],
+                       bos_id=meta['bos_id'], eos_id=meta['eos_id'])
+    else:
+        cfg = M.Config(**state['model_cfg'])
+    # Dropout is a training setting; ids past the tokenizer's are never made.
+    cfg.dropout = config['dropout']
+    cfg.attn_dropout = config['attn_dropout']
+    cfg.tokenizer_size = tokenizer_size
+    if fine_tuned_from:
+        arch = {}
+        for key, value in dataclasses.asdict(cfg).items():
+            if key in config and config[key] != value:
+                arch[key] = value
+        if arch:
+            log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
+            config.update(arch)
+    return cfg
 
 
 def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_type, log):

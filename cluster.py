@@ -117,6 +117,15 @@ def stop_asked(ddp, group):
     return bool(flag.item())
 
 
+def exit_stopped(step, out_dir, master):
+    """Leave after a stop signal, the training state saved; nonzero: the scheduler requeues the
+    job."""
+    if master:
+        print(f"{stop['signal']}: stopped at step {step} with a training state in {out_dir}; "
+              f"the same command continues the run", file=sys.stderr)
+    exit_now(1)
+
+
 def one_line_when_a_rank_fails(kind, error, traceback):
     """Under torchrun, a rank that died or left ends the others' next collective with an error:
     one line, not a traceback (the saves are atomic, so nothing is half-written)."""

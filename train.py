@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -130,23 +130,7 @@ valid_data = dataset.load_split(data_dir, 'valid')
 # model and optimizer, from scratch or from the state to resume or the checkpoint to fine-tune
 state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir, config, meta,
                                                               tokenizer, log)
-if state is None:
-    model_args = {f.name: config[f.name] for f in fields(M.Config) if f.name in config}
-    # The vocabulary rounded up to a multiple of 8: the output matmul fits the tensor cores.
-    vocab_size = (meta['vocab_size'] + 7) // 8 * 8
-    model_cfg = M.Config(**model_args, vocab_size=vocab_size, pad_id=PAD, bos_id=BOS, eos_id=EOS)
-else:
-    model_cfg = M.Config(**state['model_cfg'])  # the checkpoint's architecture
-# Dropout is a training setting; ids past the tokenizer's are never made.
-model_cfg.dropout = dropout
-model_cfg.attn_dropout = attn_dropout
-model_cfg.tokenizer_size = enc.n_vocab
-if fine_tuned_from:  # the config saved with each checkpoint is the model's
-    arch = checkpoint.architecture_of(model_cfg, config)
-    if arch:
-        log(f"fine-tuning keeps the checkpoint's architecture: {arch}")
-        config.update(arch)
-        globals().update(arch)
+model_cfg = checkpoint.model_config(state, fine_tuned_from, config, meta, enc.n_vocab, log)
 dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_tokens,
                     model_cfg.max_len, data_dir, log)
 raw_model = M.Transformer(model_cfg).to(device)
@@ -399,9 +383,7 @@ while step < max_steps:
         save_snapshots()
         last_save = clock
     if stop_asked:
-        log(f"{cluster.stop['signal']}: stopped at step {step} with a training state in {out_dir}; "
-            f"the same command continues the run", file=sys.stderr, flush=True)
-        cluster.exit_now(1)  # nonzero: the scheduler requeues the job
+        cluster.exit_stopped(step, out_dir, master)
     if step % log_interval == 0:  # tokens/s without evaluation and saving
         t_last = time.time()
 

@@ -1,8 +1,9 @@
 """
 Checkpoints and run folders, shared by train.py, translate.py, export_ct2.py and plot.py:
 - files written whole or not at all (atomic), and folder locks;
-- a run folder: who may write into it, the snapshots kept, the state a run starts from and whether
-  it can resume with the settings given, and putting a training state back (optimizer, generators);
+- a run folder: who may write into it, the snapshots kept, the state a run starts from, the
+  architecture it trains, whether it can resume with the settings given, and putting a training
+  state back (optimizer, generators);
 - reading, listing and averaging checkpoints (section 6.1);
 - loading a model for translation, with the check that the tokenizer is the model's own.
 docs/formats.md describes the files.

@@ -874,6 +874,14 @@ def test_cuda_graphs_head_sizes_outside_flash_attentions_are_refused():
         assert 'multiple of 8 and at most 256' in problem(head_size)
 
 
+def test_cuda_graphs_refuse_the_head_size_of_a_fine_tuned_checkpoint():
+    # The settings' heads pass check_settings; fine-tuning then takes the checkpoint's.
+    model = M.Transformer(M.Config(vocab_size=16, n_enc_layers=1, n_dec_layers=1, d_model=12,
+                                   d_ff=16, n_heads=1))
+    with pytest.raises(SystemExit, match='multiple of 8 and at most 256, got 12'):
+        speed.Graphed(model)
+
+
 @pytest.fixture(scope='module')
 def padded(shared):
     """5 steps without dropout, padded batches."""

@@ -72,12 +72,7 @@ def check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
     if device_type != 'cuda' or dtype == 'float32' or update_freq > 1 or checkpoint_activations:
         return ("cuda_graphs needs a GPU, dtype bfloat16 or float16, update_freq=1, "
                 "no checkpoint_activations")
-    return head_size_problem(head_size)
-
-
-def head_size_problem(head_size):
-    """Flash attention's variable-length kernel, which the CUDA graphs call, takes these heads."""
-    if head_size % 8 != 0 or head_size > 256:
+    if head_size % 8 != 0 or head_size > 256:  # flash attention's variable-length kernel
         return (f"cuda_graphs needs a head size (d_head, or d_model / n_heads) that is a multiple "
                 f"of 8 and at most 256, got {head_size}")
     return None
@@ -338,10 +333,6 @@ class Graphed:
     runs compile first)."""
 
     def __init__(self, model):
-        # A fine-tuned model has its checkpoint's heads, which the settings' check did not see.
-        problem = head_size_problem(model.cfg.d_head or model.cfg.d_model // model.cfg.n_heads)
-        if problem:
-            sys.exit(problem)
         self.model = model
         self.graphs = {}
 

@@ -84,6 +84,8 @@ checkpoint_activations = False  # backward recomputes each layer: less memory
 seed = 1337
 max_bad_steps = 20     # non-finite updates in a row before giving up
 ddp_timeout_minutes = 60.0  # a rank's wait in a collective (NCCL's default, 10, is short)
+# -----------------------------------------------------------------------------------------------
+# the configurator: a config file, then --key=value, override the settings above
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 defaults = {k: globals()[k] for k in config_keys}
@@ -104,10 +106,6 @@ def log(*args, **kwargs):
 
 device, dtype = speed.resolve_device(device, dtype, log)
 device_type = device.split(':')[0]
-problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
-                               checkpoint_activations, d_head or d_model // n_heads)
-if problem:
-    sys.exit(problem)
 checkpoint.make_writable(out_dir, 'out_dir')
 ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes, out_dir)
 torch.manual_seed(seed + rank)
@@ -121,6 +119,7 @@ start, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, co
 
 # -----------------------------------------------------------------------------------------------
 # data: the token files data_prep.py writes
+# tokenizer: its description, saved in each checkpoint; enc: the tiktoken encoding it builds
 meta, tokenizer, enc, valid_ref = dataset.open_prepared(data_dir)
 PAD, BOS, EOS = meta['pad_id'], meta['bos_id'], meta['eos_id']
 train_data = dataset.load_split(data_dir, 'train')
@@ -130,7 +129,13 @@ valid_data = dataset.load_split(data_dir, 'valid')
 # model and optimizer, from scratch or from the state to resume or the checkpoint to fine-tune
 state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir, config, meta,
                                                               tokenizer, log)
+# Fine-tuning keeps the checkpoint's architecture, and config takes it.
 model_cfg = checkpoint.model_config(state, fine_tuned_from, config, meta, enc.n_vocab, log)
+head_size = model_cfg.d_head or model_cfg.d_model // model_cfg.n_heads  # d_k
+problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
+                               checkpoint_activations, head_size)
+if problem:
+    sys.exit(problem)
 dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_tokens,
                     model_cfg.max_len, data_dir, log)
 raw_model = M.Transformer(model_cfg).to(device)
@@ -177,7 +182,8 @@ def this_ranks_batches(updates):
 
 updates = dataset.updates(train_data, max_tokens, seed, world, update_freq, epoch, batch_idx)
 batches = dataset.prefetched(this_ranks_batches(updates))  # a thread makes them during a step
-if start != 'resume' and run_files:  # --overwrite: only now that every input has loaded
+# An old run's files (--overwrite, or a log without a state) go only now that every input loaded.
+if start != 'resume' and run_files:
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
 # -----------------------------------------------------------------------------------------------
@@ -220,12 +226,12 @@ def validation_bleu():
     """Beam search as translate.py's over each rank's share of the sources; too long ones: ''."""
     srcs = dataset.sources(valid_data, rank, world, model_cfg.max_len, EOS)
     hyps = {}
-    for batch in decode.length_batches(srcs, 4096):
+    for batch in decode.length_batches(srcs, 4096):  # source tokens, as translate.py's batches
         with autocast:
             out = decode.beam_search(raw_model, decode.padded(srcs, batch, PAD, device),
                                      bleu_beam, bleu_lenpen)
         for i, nbest in zip(batch, out):
-            hyps[i] = enc.decode(nbest[0][0])
+            hyps[i] = enc.decode(nbest[0][0])  # the best hypothesis' tokens
     for share in cluster.gather(hyps, ddp, world):
         hyps.update(share)
     hyps = [hyps.get(i, '') for i in range(len(valid_ref))]
@@ -239,7 +245,7 @@ def evaluate(final=False):
     global best_bleu
     raw_model.eval()
     totals = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens
-    plan = dataset.batch_plan(valid_data, max_tokens, seed, 0, shuffle=False)
+    plan = dataset.batch_plan(valid_data, max_tokens, seed, epoch=0, shuffle=False)
     for ids in plan[rank::world]:
         src, tgt_in, rows, targets = get_batch(valid_data, ids)
         with autocast:

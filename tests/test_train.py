@@ -209,6 +209,10 @@ GRAPHS_MOCKED = ("import runpy, sys, torch, speed\n"
                  "torch.cuda.make_graphed_callables = lambda body, inputs: body\n"
                  "sys.argv = sys.argv[1:]\n"
                  "runpy.run_path('train.py', run_name='__main__')\n")
+HEADS_CHECKED = ("import runpy, sys, speed\n"
+                 "speed.check_settings = lambda *args: f'head size {args[-1]}'\n"
+                 "sys.argv = sys.argv[1:]\n"
+                 "runpy.run_path('train.py', run_name='__main__')\n")
 NO_DROPOUT = ['--max_steps=5', '--dropout=0.0']
 LEARNED = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2',
            '--keep_state=2', '--dropout=0.1']
@@ -874,12 +878,13 @@ def test_cuda_graphs_head_sizes_outside_flash_attentions_are_refused():
         assert 'multiple of 8 and at most 256' in problem(head_size)
 
 
-def test_cuda_graphs_refuse_the_head_size_of_a_fine_tuned_checkpoint():
-    # The settings' heads pass check_settings; fine-tuning then takes the checkpoint's.
-    model = M.Transformer(M.Config(vocab_size=16, n_enc_layers=1, n_dec_layers=1, d_model=12,
-                                   d_ff=16, n_heads=1))
-    with pytest.raises(SystemExit, match='multiple of 8 and at most 256, got 12'):
-        speed.Graphed(model)
+def test_the_speed_settings_are_checked_with_a_fine_tuned_checkpoints_heads(run, data_dir,
+                                                                           tmp_path):
+    # Fine-tuning keeps the checkpoint's heads (32 / 4 = 8), not --d_head=4: cuda_graphs' check of
+    # the head size must see those (HEADS_CHECKED refuses with the head size it is given).
+    proc = start(['--d_head=4', f'--init_from={run[0] / "ckpt.pt"}'], tmp_path, data_dir,
+                 launcher=wrapped(HEADS_CHECKED))
+    assert 'head size 8' in finish(proc, ok=False).stderr
 
 
 @pytest.fixture(scope='module')

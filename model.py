@@ -92,7 +92,8 @@ class MultiHeadAttention(nn.Module):
                 k, v, mask, causal = self.with_cache(q, k, v, cache, mask, causal)
         dropout_p = self.attn_dropout if self.training else 0.0
         if packed is None:
-            # Equation (1): Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, for every head
+            # Equation (1): Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, for every head;
+            # is_causal sets to -inf the scores of the later positions (the decoder's, 3.2.3).
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                dropout_p=dropout_p)
         else:  # each sentence of the packed rows attends within itself (speed.attend)

@@ -107,6 +107,7 @@ def log(*args, **kwargs):
 device, dtype = speed.resolve_device(device, dtype, log)
 device_type = device.split(':')[0]
 checkpoint.make_writable(out_dir, 'out_dir')
+# host_group: gloo, for small agreements on the host (stop signals) that must not wait for a GPU
 ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes, out_dir)
 torch.manual_seed(seed + rank)
 speed.configure_backends(device_type, dtype, checkpoint_activations)
@@ -141,7 +142,7 @@ dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_toke
 raw_model = M.Transformer(model_cfg).to(device)
 if state is not None:
     raw_model.load_state_dict(state['model'])
-if device_type == 'cpu':
+if device_type == 'cpu':  # dropout's mask by rand_like: half bernoulli_'s time on a CPU
     speed.cpu_dropout(raw_model)
 optimizer = M.configure_optimizer(raw_model, lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                                   weight_decay=weight_decay)  # lr: set at each step
@@ -154,7 +155,7 @@ best_bleu = -1.0
 if start == 'resume':
     step, epoch, batch_idx, elapsed, best_bleu = checkpoint.resume(
         state, init_path, optimizer, scaler, out_dir, seed, rank, world, device_type, log)
-del state
+del state  # its tensors are in the model and optimizer now
 
 
 if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2

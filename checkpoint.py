@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
 
@@ -325,6 +326,13 @@ def best_bleu_in(out_dir):
 
 
 # --- reading, listing and averaging checkpoints --------------------------------------------------
+
+
+def stop_on_signals():
+    """kill and timeout (SIGTERM) and a closed terminal (SIGHUP) stop a script as Ctrl-C does: its
+    partial files go (they have temporary names until complete) and it says so in one line."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
 
 
 def fail(msg):  # named after the running script: every script reads checkpoints through these

@@ -372,4 +372,8 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    checkpoint.stop_on_signals()
+    try:
+        main()
+    except KeyboardInterrupt:  # a partial output is removed on the way out
+        sys.exit("export_ct2.py: interrupted")

@@ -68,10 +68,16 @@ def figure_path(path):
 def save(fig, plt, path, show):
     # Written under a temporary name, then renamed: no reader sees half a PNG under the real name.
     kind = os.path.splitext(path)[1][1:] or 'png'
-    tmp = checkpoint.temporary(path)
+    try:
+        tmp = checkpoint.temporary(path)
+    except OSError as e:  # a read-only folder, a name too long
+        fail(f"-o {path}: {e.strerror}")
     try:
         fig.savefig(tmp, format=kind, dpi=110, bbox_inches='tight')
         os.replace(tmp, path)
+    except OSError as e:  # a full disk
+        os.remove(tmp)
+        fail(f"-o {path}: {e.strerror}")
     except BaseException:
         os.remove(tmp)
         raise
@@ -108,7 +114,11 @@ def read_records(path):
     records = []
     bad = 0
     odd = 0
-    with open(path, encoding='utf-8', errors='replace') as f:
+    try:
+        f = open(path, encoding='utf-8', errors='replace')
+    except OSError as e:  # not readable by this user
+        fail(f"{path}: {e.strerror}")
+    with f:
         for line in f:
             try:
                 r = json.loads(line)
@@ -428,4 +438,8 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    checkpoint.stop_on_signals()
+    try:
+        main()
+    except KeyboardInterrupt:  # a partial output is removed on the way out
+        sys.exit("plot.py: interrupted")

@@ -236,10 +236,15 @@ def check_outputs(p, args):
     inputs += checkpoint.checkpoints(run_folder)
     for flag in ('output', 'save_average'):
         path = getattr(args, flag)
-        if not path or not os.path.exists(path):
+        if not path:
+            continue
+        option = '--' + flag.replace('_', '-')
+        # The file is written under the name without the slash, which these checks would not see.
+        if path.endswith('/'):
+            p.error(f"{option} {path} names a folder: give a file name")
+        if not os.path.exists(path):
             continue
         if os.path.isdir(path) or any(os.path.samefile(path, q) for q in inputs):
-            option = '--' + flag.replace('_', '-')
             p.error(f"{option} {path} is a folder or an input of this run")
 
 
@@ -248,7 +253,10 @@ def save_average(model, ckpt, paths, path):
     keep = {k: ckpt[k] for k in ('model_cfg', 'step', 'config', 'data_dir') if k in ckpt}
     keep['tokenizer'] = checkpoint.checkpoint_tokenizer(paths[-1], ckpt)
     keep['averaged'] = [os.path.basename(q) for q in paths]
-    checkpoint.save_atomic({'model': model.state_dict(), **keep}, path)
+    try:
+        checkpoint.save_atomic({'model': model.state_dict(), **keep}, path)
+    except OSError as e:  # a missing or read-only folder
+        fail(f"--save-average {path}: {e.strerror}")
 
 
 def load_model(args, ct2):
@@ -359,8 +367,9 @@ def main(argv=None):
     sys.stdout.reconfigure(encoding='utf-8', newline='\n')
     check_options(p, args)
     ct2 = export_ct2.is_ct2_export(args.ckpt)
-    if ct2 and (args.average_last or args.dtype or args.compile):
-        p.error("--average-last, --dtype and --compile are for checkpoints: export the average")
+    if ct2 and (args.average_last or args.dtype or args.compile or args.exact):
+        p.error("--average-last, --dtype, --compile and --exact are for checkpoints: "
+                "an export decodes with its own")
     if not args.device:
         args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
     check_device(p, args.device, ct2)
@@ -408,6 +417,7 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
+    checkpoint.stop_on_signals()
     try:
         main()
     except BrokenPipeError:  # the reader left (`| head`): stop quietly, as other Unix tools do

@@ -246,6 +246,9 @@ def test_bad_exports_and_options_are_one_line_errors(toy, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # a checkpoint's option, for an export
         T.main(['--ckpt', toy['ct2'], '--dtype', 'bfloat16'])
     assert e.value.code == 2 and '--dtype' in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # an export has its own stopping rule: not ignored
+        T.main(['--ckpt', toy['ct2'], '--exact'])
+    assert e.value.code == 2 and '--exact' in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         E.main(['--ckpt', str(tmp_path / 'missing.pt'), '--out', str(tmp_path / 'x')])
     assert 'missing.pt' in str(e.value) and not (tmp_path / 'x').exists()

@@ -227,6 +227,17 @@ def test_lines_that_are_not_train_py_records_are_skipped_and_counted(tmp_path, c
     assert [r['step'] for r in train] == [10] and 'skipped 3' in capsys.readouterr().err
 
 
+def test_an_unreadable_log_is_a_one_line_error_naming_it(tmp_path, monkeypatch):
+    run = synthetic_log(tmp_path / 'run')
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, 'Permission denied', path)
+    monkeypatch.setattr(plot, 'open', denied, raising=False)  # root reads any file
+    with pytest.raises(SystemExit) as e:
+        curves(run, '-o', str(tmp_path / 'c.png'))
+    assert 'log.jsonl: Permission denied' in str(e.value) and '\n' not in str(e.value)
+
+
 def test_minutes_of_a_log_without_training_records_is_a_one_line_error(tmp_path):
     pytest.importorskip('matplotlib')
     run = write_log(tmp_path / 'r', [eval_record(200, 2.0), eval_record(400, 1.5, valid_bleu=10.0)])
@@ -257,7 +268,8 @@ def test_bad_log_is_a_one_line_error_naming_it(tmp_path, content):
     assert not (tmp_path / 'c.png').exists()
 
 
-@pytest.mark.parametrize('out', ['.', 'c.xyz', 'a_file/c.png'])
+@pytest.mark.parametrize('out', ['.', 'c.xyz', 'a_file/c.png',
+                                 pytest.param('x' * 250 + '.png', id='name_too_long')])
 def test_bad_output_is_a_one_line_error_that_leaves_no_file(tmp_path, monkeypatch, out):
     pytest.importorskip('matplotlib')
     run = synthetic_log(tmp_path / 'run')

@@ -10,10 +10,12 @@ import os
 import pty
 import random
 import select
+import signal
 import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import sacrebleu
@@ -304,15 +306,48 @@ def test_an_output_that_is_an_input_or_a_folder_is_refused(toy, tmp_path, capsys
     folder = tmp_path / 'sub'
     ckpt.write_bytes(open(toy['ckpt'], 'rb').read())
     folder.mkdir()
-    for flags in (['--output', src], ['--output', str(ckpt)],
+    # A trailing slash names a folder; the file would be written without it, over an input.
+    for flags in (['--output', src], ['--output', str(ckpt)], ['--output', src + '/'],
                   ['--ref', toy['src'], '--output', toy['src']], ['--output', str(folder)],
+                  ['--output', str(ckpt) + '/'], ['--output', str(tmp_path / 'new') + '/'],
                   ['--average-last', '1', '--save-average', str(ckpt)],
-                  ['--average-last', '1', '--save-average', str(folder)]):
+                  ['--average-last', '1', '--save-average', str(folder)],
+                  ['--average-last', '1', '--save-average', str(ckpt) + '/']):
         with pytest.raises(SystemExit) as e:
             T.main(['--ckpt', str(ckpt), '--input', src, *flags])
         assert e.value.code == 2 and f'{flags[-2]} {flags[-1]}' in capsys.readouterr().err, flags
     assert open(src).read() == 'alpha beta\n' and checkpoint.read_checkpoint(str(ckpt))
-    assert not os.listdir(folder)
+    assert not os.listdir(folder) and sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'src', 'sub']
+    snapshot = tmp_path / 'ckpt_0000001.pt'
+    snapshot.write_bytes(ckpt.read_bytes())
+    missing = str(tmp_path / 'no' / 'avg.pt')
+    with pytest.raises(SystemExit) as e:
+        T.main(['--ckpt', str(snapshot), '--input', src, '--average-last', '1',
+                '--save-average', missing])
+    assert missing in str(e.value.code) and '\n' not in str(e.value.code)
+
+
+def catches(pid, sig):
+    """Whether process pid has a handler for signal sig (Linux's /proc)."""
+    with open(f'/proc/{pid}/status') as f:
+        for line in f:
+            if line.startswith('SigCgt:'):
+                return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
+    return False
+
+
+def test_sigterm_stops_translation_as_ctrl_c_does_in_one_line(toy, tmp_path):
+    # kill or timeout while translate.py waits for its input on a pipe
+    proc = script(['--ckpt', toy['ckpt'], '--output', str(tmp_path / 'hyp')],
+                  stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not catches(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err.decode().strip() == 'translate.py: interrupted'
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_checkpoint_older_than_tokenizer_size_takes_it_from_its_tokenizer(toy, tmp_path):

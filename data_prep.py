@@ -270,6 +270,10 @@ def read_lines(path, member=None, errors='strict'):
             if name.endswith('.gz'):
                 f = gzip.GzipFile(fileobj=f)
             for i, raw in enumerate(f, 1):
+                # Windows' "Unicode" text: every line would be garbage, a warning for each.
+                if i == 1 and raw.startswith((b'\xff\xfe', b'\xfe\xff')):
+                    sys.exit(f"error: {where} is UTF-16 text: convert it to UTF-8 "
+                             f"(iconv -f UTF-16 -t UTF-8)")
                 line = decode_line(raw, where, i, errors)
                 if not sgm:
                     yield line

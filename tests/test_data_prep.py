@@ -548,6 +548,15 @@ def test_a_byte_order_mark_is_not_read_as_text(tmp_path):
     assert list(data_prep.read_lines(str(tmp_path / 'f.txt'))) == ['a man', 'b', 'c']
 
 
+def test_utf16_text_is_one_error_naming_the_file_even_where_bad_bytes_are_replaced(tmp_path):
+    path = tmp_path / 'windows.txt'
+    path.write_bytes('a man\nb\n'.encode('utf-16'))
+    for errors in ('strict', 'replace'):
+        with pytest.raises(SystemExit) as e:
+            list(data_prep.read_lines(str(path), errors=errors))
+        assert f'{path} is UTF-16 text' in str(e.value)
+
+
 def test_invalid_utf8_is_an_error_naming_file_and_line_or_replaced_with_a_warning(tmp_path, capsys):
     archive = str(tmp_path / 'a.tgz')
     (tmp_path / 'a.tgz').write_bytes(tgz({'dir/f.de': b'ok\n\xc3(\n'}))

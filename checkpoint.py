@@ -132,7 +132,7 @@ def open_run(out_dir, init_from, overwrite, master, given, defaults):
 def settings_differ(path, given, defaults):
     """The settings of a training state's run that differ from those given. A setting newer than
     the state: its run had the default."""
-    state = torch.load(path, map_location='cpu', mmap=True, weights_only=True)
+    state = read_checkpoint(path, keys=('config',), mmap=True)
     saved = state.get('given_config', state['config'])
     differ = []
     for key, value in given.items():
@@ -321,7 +321,7 @@ def best_bleu_in(out_dir):
     path = os.path.join(out_dir, 'ckpt_best.pt')
     if not os.path.exists(path):
         return -1.0
-    best = torch.load(path, map_location='cpu', mmap=True, weights_only=True)
+    best = read_checkpoint(path, keys=('valid_bleu',), mmap=True)
     return best['valid_bleu']
 
 
@@ -339,7 +339,8 @@ def fail(msg):  # named after the running script: every script reads checkpoints
     raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {msg}")
 
 
-def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
+def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer'), mmap=False):
+    """A checkpoint holding keys, or one line naming it; mmap: tensors read when used."""
     if os.path.isdir(path):
         fail(f"{path} is a folder: give a checkpoint file in it, or --average-last N to average "
              f"its newest ckpt_STEP.pt")
@@ -347,7 +348,7 @@ def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer')):
         fail(f"checkpoint {path} not found")
     # weights_only: our checkpoints hold only tensors and plain containers: loading runs no code.
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+        ckpt = torch.load(path, map_location='cpu', mmap=mmap, weights_only=True)
     except Exception as e:
         fail(f"cannot read checkpoint {path}: not a checkpoint, or a damaged one "
              f"({type(e).__name__})")

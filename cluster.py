@@ -19,7 +19,10 @@ def start(device, ddp_timeout_minutes, out_dir):
     """-> ddp, rank, world, device of this process (a GPU of its own under torchrun), and a gloo
     group for the small agreements on the host (the default group where that is gloo already).
     Every node must see the same out_dir, and a rank that fails ends the others in one line."""
+    # Until the loop catches them (catch_stop_signals), SIGTERM stops the start as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if 'RANK' not in os.environ:
+        sys.excepthook = one_line_on_failure
         return False, 0, 1, device, None
     rank = int(os.environ['RANK'])
     world = int(os.environ['WORLD_SIZE'])
@@ -36,7 +39,7 @@ def start(device, ddp_timeout_minutes, out_dir):
         dist.init_process_group('gloo', timeout=timeout, store=store, rank=rank, world_size=world)
         host_group = None
     check_shared_out_dir(out_dir, rank, host_group)
-    sys.excepthook = one_line_when_a_rank_fails
+    sys.excepthook = one_line_on_failure  # after init_process_group's, which would hide its line
     return True, rank, world, device, host_group
 
 
@@ -126,9 +129,14 @@ def exit_stopped(step, out_dir, master):
     exit_now(1)
 
 
-def one_line_when_a_rank_fails(kind, error, traceback):
-    """Under torchrun, a rank that died or left ends the others' next collective with an error:
-    one line, not a traceback (the saves are atomic, so nothing is half-written)."""
+def one_line_on_failure(kind, error, traceback):
+    """One line, not a traceback, for a stop before the first step and, under torchrun, for a rank
+    that died or left, which ends the others' next collective with an error (the saves are
+    atomic, so nothing is half-written)."""
+    if kind is KeyboardInterrupt:
+        print("train.py: interrupted before the first step; the same command starts it again",
+              file=sys.stderr)
+        exit_now(1)
     message = str(error)
     lost = isinstance(error, dist.DistError) or 'gloo' in message or 'NCCL' in message
     if not isinstance(error, RuntimeError) or not lost:

@@ -683,4 +683,8 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    main()
+    checkpoint.stop_on_signals()
+    try:
+        main()
+    except KeyboardInterrupt:  # each file is whole or absent; meta.json, written last, says done
+        sys.exit("data_prep.py: interrupted; run the same command again")

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -21,6 +22,7 @@ import pytest
 import checkpoint
 import data_prep
 import dataset
+from test_translate import reading
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the root: the scripts
 M30K_EN_DE = ['multi30k', '--src', 'en', '--tgt', 'de']
@@ -221,6 +223,22 @@ def corpus(tmp_path):
     splits = {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10), 'test': toy_pairs(5, 11)}
     write_custom(tmp_path, splits)
     return tmp_path
+
+
+def test_sigterm_stops_data_prep_as_ctrl_c_does_in_one_line(corpus, tmp_path):
+    # kill or timeout while data_prep.py reads its training text (a FIFO nobody writes)
+    os.remove(corpus / 'train.xx')
+    os.mkfifo(corpus / 'train.xx')
+    command = [sys.executable, os.path.join(HERE, 'data_prep.py'),
+               *custom_args(corpus, tmp_path / 'out')]
+    proc = subprocess.Popen(command, cwd=HERE, stderr=subprocess.PIPE, text=True)
+    writer = reading(corpus / 'train.xx', proc)
+    proc.send_signal(signal.SIGTERM)
+    os.close(writer)  # a worker thread reading it ends, and the process with it
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert err.strip() == 'data_prep.py: interrupted; run the same command again'
+    assert not (tmp_path / 'out' / 'meta.json').exists()
 
 
 def read_split(out, split, lang):

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import data_prep
 import dataset
 import speed
 import translate
+from test_translate import reading
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the root: the scripts
 TINY = [
@@ -101,7 +103,7 @@ def start(args, out_dir, data_dir, nproc=1, launcher=None):
 def finish(proc, ok=True):
     """Waits for a process of start() -> its CompletedProcess. ok: it must succeed; else it must
     fail with an error of its own, no traceback."""
-    out, err = proc.communicate()
+    out, err = proc.communicate(timeout=600)
     res = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if ok:
         assert res.returncode == 0, out[-2000:] + err[-3000:]
@@ -993,6 +995,36 @@ def stopped(data_dir, tmp_path_factory):
         res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         ended[name] = out, res, time.time() - t
     return ended
+
+
+def test_a_damaged_state_or_best_checkpoint_in_out_dir_is_one_line_naming_it(run, data_dir,
+                                                                            tmp_path):
+    # The same command reads its run's settings from the state, and resuming reads the best
+    # validation BLEU from ckpt_best.pt.
+    runs = []
+    for name in ('state_0000006.pt', 'ckpt_best.pt'):
+        out = shutil.copytree(run[0], tmp_path / name)
+        os.truncate(out / name, 1000)
+        runs.append((SHARED['run'][0], out, data_dir))
+    for name, err in zip(('state_0000006.pt', 'ckpt_best.pt'), refused(*runs)):
+        assert f'{name}: not a checkpoint, or a damaged one' in err
+
+
+def test_a_stop_before_the_first_step_is_one_line(data_dir, tmp_path):
+    # SIGTERM while train.py waits for its data (a FIFO meta.json nobody writes)
+    data = tmp_path / 'data'
+    data.mkdir()
+    for name in os.listdir(data_dir):
+        if name != 'meta.json':
+            os.symlink(os.path.join(data_dir, name), data / name)
+    os.mkfifo(data / 'meta.json')
+    proc = start([], tmp_path / 'run', data)
+    writer = reading(data / 'meta.json', proc)
+    proc.send_signal(signal.SIGTERM)
+    err = finish(proc, ok=False).stderr
+    os.close(writer)
+    assert err.strip() == ('train.py: interrupted before the first step; the same command starts '
+                           'it again')
 
 
 def test_the_same_command_continues_a_finished_run_and_keeps_its_log(run, data_dir, tmp_path):

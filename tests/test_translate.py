@@ -327,12 +327,31 @@ def test_an_output_that_is_an_input_or_a_folder_is_refused(toy, tmp_path, capsys
     assert missing in str(e.value.code) and '\n' not in str(e.value.code)
 
 
-def catches(pid, sig):
-    """Whether process pid has a handler for signal sig (Linux's /proc)."""
-    with open(f'/proc/{pid}/status') as f:
-        for line in f:
-            if line.startswith('SigCgt:'):
-                return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
+def reading(fifo, proc):
+    """Waits until proc opens fifo and one of its threads waits in a read of it -> the write end,
+    left open. A signal that came before that read would not interrupt it."""
+    deadline = time.time() + 60
+    writer = None
+    while writer is None:
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader yet
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+    while not in_pipe_read(proc.pid):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    return writer
+
+
+def in_pipe_read(pid):
+    for task in os.listdir(f'/proc/{pid}/task'):
+        try:
+            with open(f'/proc/{pid}/task/{task}/wchan') as f:
+                if 'pipe' in f.read():  # the kernel's pipe_read, anon_pipe_read, pipe_wait
+                    return True
+        except FileNotFoundError:  # a thread that ended
+            continue
     return False
 
 
@@ -341,7 +360,7 @@ def test_sigterm_stops_translation_as_ctrl_c_does_in_one_line(toy, tmp_path):
     proc = script(['--ckpt', toy['ckpt'], '--output', str(tmp_path / 'hyp')],
                   stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
-    while not catches(proc.pid, signal.SIGTERM):
+    while not in_pipe_read(proc.pid):
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)

@@ -64,9 +64,12 @@ def open_prepared(data_dir):
     try:
         meta = load_meta(data_dir)
         tokenizer = tokenizer_dict(data_dir)
-        missing = [key for key in ('pad_id', 'bos_id', 'eos_id') if key not in meta]
-        if missing:  # train.py reads them next: an error here, not a traceback there
-            raise KeyError(missing[0])
+        # train.py reads these: an error here, not a traceback at the first step or save
+        for key in ('pad_id', 'bos_id', 'eos_id', 'vocab_size', 'splits'):
+            if key not in meta:
+                raise KeyError(key)
+        if type(meta['vocab_size']) is not int:
+            raise TypeError(f"vocab_size {meta['vocab_size']!r}")
         enc = load_tokenizer(tokenizer)
         with open(os.path.join(data_dir, f"valid.{meta['tgt']}.txt"), encoding='utf-8') as f:
             valid_ref = f.read().splitlines()
@@ -100,6 +103,10 @@ def load_split(data_dir, split):
                 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any()):
             sys.exit(f'{damaged}.{lang}.idx does not match {split}.{meta["src"]}.idx or the '
                      f'{len(tokens)} tokens of {split}.{lang}.bin): '
+                     'prepare it again with data_prep.py')
+        # An id past the vocabulary fails the first step (on a GPU, as a device-side assert).
+        if len(tokens) and tokens.max() >= meta['vocab_size']:
+            sys.exit(f'{damaged}.{lang}.bin holds ids past vocab_size {meta["vocab_size"]}): '
                      'prepare it again with data_prep.py')
     return tuple(sides)
 

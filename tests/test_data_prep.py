@@ -793,6 +793,25 @@ def test_a_truncated_token_file_is_refused_by_load_split(corpus):
     assert 'train.yy.idx does not match' in str(e.value)
 
 
+def test_ids_past_the_vocabulary_or_meta_without_its_keys_are_refused_on_loading(corpus):
+    # Else a traceback at the first step or the first save, after --overwrite removed a run.
+    out = corpus / 'o'
+    data_prep.main(custom_args(corpus, out))
+    meta = json.loads((out / 'meta.json').read_text())
+    tokens = np.fromfile(out / 'train.yy.bin', dtype=meta['dtype'])
+    tokens[::50] = meta['vocab_size']
+    tokens.tofile(out / 'train.yy.bin')
+    with pytest.raises(SystemExit) as e:
+        dataset.load_split(str(out), 'train')
+    assert f"train.yy.bin holds ids past vocab_size {meta['vocab_size']}" in str(e.value)
+    no_splits = {key: value for key, value in meta.items() if key != 'splits'}
+    for damaged in (no_splits, {**meta, 'vocab_size': '2003'}):
+        (out / 'meta.json').write_text(json.dumps(damaged))
+        with pytest.raises(SystemExit) as e:
+            dataset.open_prepared(str(out))
+        assert f'{out} is incomplete or damaged' in str(e.value)
+
+
 @pytest.mark.parametrize('args, flag', [
     (['custom', '--src', 'x', '--tgt', 'x', '--train', 'a', '--valid', 'b', '--test', 'c'],
      '--src and'),

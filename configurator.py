@@ -26,6 +26,10 @@ def override(config, args):
     d_ff = 4 * d_model, and import), then each --key=value parsed as a Python literal."""
     files = [a for a in args if not a.startswith('--')]
     flags = [a for a in args if a.startswith('--')]
+    # Checked first: `--max_steps 5` would read 5 as a config file that is not there.
+    for arg in flags:
+        if '=' not in arg:
+            sys.exit(f"{arg}: expected --key=value")
     for path in files:
         for key, value in run_file(path, config).items():
             # Any name but imports, functions and _private ones is a setting.
@@ -33,9 +37,7 @@ def override(config, args):
                 continue
             set_setting(config, key, value, path)
     for arg in flags:
-        key, eq, raw = arg[2:].partition('=')
-        if not eq:
-            sys.exit(f"{arg}: expected --key=value")
+        key, _, raw = arg[2:].partition('=')
         try:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):

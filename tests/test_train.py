@@ -744,6 +744,12 @@ def load_override():
     return configurator.override
 
 
+def test_a_flag_and_its_value_apart_are_named_not_read_as_a_config_file():
+    settings = {'max_steps': 10}
+    message = in_process_refusal(configurator.override, settings, ['--max_steps', '5'])
+    assert message == '--max_steps: expected --key=value'
+
+
 def test_numbers_given_for_a_text_setting_are_kept_as_text():
     settings = {'out_dir': 'out/x', 'dtype': 'auto', 'max_steps': 10}
     config = load_override()(settings, ['--out_dir=2024', "--dtype='float32'"])

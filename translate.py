@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from contextlib import nullcontext, suppress
@@ -333,6 +334,8 @@ def write_output(args, model, enc, lines, opts):
             out = open(args.output, 'a', encoding='utf-8', newline='\n')
         elif real:
             tmp = checkpoint.temporary(real)
+            if os.path.exists(real):  # the file it replaces keeps its permissions (private, say)
+                shutil.copymode(real, tmp)
             out = open(tmp, 'w', encoding='utf-8', newline='\n')
         done = write_translations(args, model, enc, lines, out, opts)
         if out is not sys.stdout:

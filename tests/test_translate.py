@@ -265,6 +265,7 @@ def test_bleu_and_paper_bleu_are_sacrebleus_the_latter_with_compounds_split():
 def test_output_file_appears_only_when_complete(toy, tmp_path, monkeypatch):
     out = tmp_path / 'hyp'
     out.write_text('the previous translation\n')
+    out.chmod(0o600)
 
     def stopped(model, enc, lines, **kw):  # one line out, then the run dies
         yield 'first'
@@ -277,6 +278,7 @@ def test_output_file_appears_only_when_complete(toy, tmp_path, monkeypatch):
     monkeypatch.undo()
     assert len(translate(toy, tmp_path, '--greedy')) == len(toy['lines'])
     assert os.listdir(tmp_path) == ['hyp']
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o600  # the replaced file's permissions
 
 
 def test_a_device_or_fifo_output_is_written_in_place_and_a_missing_folder_is_one_line(

@@ -330,9 +330,11 @@ def best_bleu_in(out_dir):
 
 def stop_on_signals():
     """kill and timeout (SIGTERM) and a closed terminal (SIGHUP) stop a script as Ctrl-C does: its
-    partial files go (they have temporary names until complete) and it says so in one line."""
+    partial files go (they have temporary names until complete) and it says so in one line. A
+    signal ignored from the start stays ignored (nohup)."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, signal.default_int_handler)
 
 
 def fail(msg):  # named after the running script: every script reads checkpoints through these

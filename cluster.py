@@ -19,9 +19,12 @@ def start(device, ddp_timeout_minutes, out_dir):
     """-> ddp, rank, world, device of this process (a GPU of its own under torchrun), and a gloo
     group for the small agreements on the host (the default group where that is gloo already).
     Every node must see the same out_dir, and a rank that fails ends the others in one line."""
-    # Until the loop catches them (catch_stop_signals), SIGTERM stops the start as Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if 'RANK' not in os.environ:
+        # Until the loop catches them (catch_stop_signals), SIGTERM stops the start as Ctrl-C
+        # does. Not under torchrun: it SIGTERMs the workers when one fails, and a worker blocked
+        # in a collective would run no handler before torchrun's SIGKILL, 30 s later.
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         sys.excepthook = one_line_on_failure
         return False, 0, 1, device, None
     rank = int(os.environ['RANK'])
@@ -139,7 +142,7 @@ def one_line_on_failure(kind, error, traceback):
         exit_now(1)
     message = str(error)
     lost = isinstance(error, dist.DistError) or 'gloo' in message or 'NCCL' in message
-    if not isinstance(error, RuntimeError) or not lost:
+    if not dist.is_initialized() or not isinstance(error, RuntimeError) or not lost:
         sys.__excepthook__(kind, error, traceback)
         return
     first_line = message.strip().splitlines()[0][:300]

@@ -334,12 +334,12 @@ def write_output(args, model, enc, lines, opts):
             out = open(args.output, 'a', encoding='utf-8', newline='\n')
         elif real:
             tmp = checkpoint.temporary(real)
-            if os.path.exists(real):  # the file it replaces keeps its permissions (private, say)
-                shutil.copymode(real, tmp)
             out = open(tmp, 'w', encoding='utf-8', newline='\n')
         done = write_translations(args, model, enc, lines, out, opts)
         if out is not sys.stdout:
             out.close()
+        if tmp and os.path.exists(real):  # it keeps the permissions of the file it replaces
+            shutil.copymode(real, tmp)
         if tmp:
             os.replace(tmp, real)
     except BrokenPipeError:  # the reader left: stopped quietly below, in __main__

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import checkpoint
+import cluster
 import model as M
 import configurator
 import data_prep
@@ -1014,6 +1015,15 @@ def test_a_damaged_state_or_best_checkpoint_in_out_dir_is_one_line_naming_it(run
         runs.append((SHARED['run'][0], out, data_dir))
     for name, err in zip(('state_0000006.pt', 'ckpt_best.pt'), refused(*runs)):
         assert f'{name}: not a checkpoint, or a damaged one' in err
+
+
+def test_an_error_of_one_process_keeps_its_traceback_whatever_it_says(monkeypatch):
+    # "another process failed" is for a process group's collectives alone.
+    seen = []
+    monkeypatch.setattr(sys, '__excepthook__', lambda kind, error, tb: seen.append(kind))
+    monkeypatch.setattr(cluster, 'exit_now', seen.append)
+    cluster.one_line_on_failure(RuntimeError, RuntimeError('gloo: an error of its own'), None)
+    assert seen == [RuntimeError]
 
 
 def test_a_stop_before_the_first_step_is_one_line(data_dir, tmp_path):

@@ -357,6 +357,20 @@ def in_pipe_read(pid):
     return False
 
 
+def test_a_signal_ignored_from_the_start_stays_ignored():
+    # nohup starts a command with SIGHUP ignored: closing the terminal must not stop it.
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGTERM)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        checkpoint.stop_on_signals()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.default_int_handler
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def test_sigterm_stops_translation_as_ctrl_c_does_in_one_line(toy, tmp_path):
     # kill or timeout while translate.py waits for its input on a pipe
     proc = script(['--ckpt', toy['ckpt'], '--output', str(tmp_path / 'hyp')],

@@ -1,7 +1,7 @@
 """
 How fast a step runs, never what it computes. In the order train.py meets them:
-- resolve_device, fast_dtype and check_settings: a GPU where there is one, bf16 only where it is
-  native, and what each speed path needs, said before any work;
+- resolve_device, fast_dtype, check_settings and check_heads: a GPU where there is one, bf16 only
+  where it is native, and what each speed path needs, said before any work;
 - configure_backends: the CPU's malloc policy, flash attention's switch, on a GPU TF32 and no
   cuDNN attention; cpu_dropout, a faster dropout mask; packed_weights, oneDNN-prepacked weights
   for decoding on a CPU;
@@ -61,7 +61,7 @@ def resolve_device(device, dtype, log):
 
 
 def check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
-                   checkpoint_activations, head_size):
+                   checkpoint_activations):
     """-> what makes these speed settings fail (dtype already resolved from 'auto'), or None."""
     if dtype == 'float16' and device_type == 'cpu':
         return "dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on a CPU"
@@ -72,7 +72,14 @@ def check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
     if device_type != 'cuda' or dtype == 'float32' or update_freq > 1 or checkpoint_activations:
         return ("cuda_graphs needs a GPU, dtype bfloat16 or float16, update_freq=1, "
                 "no checkpoint_activations")
-    if head_size % 8 != 0 or head_size > 256:  # flash attention's variable-length kernel
+    return None
+
+
+def check_heads(cfg, cuda_graphs):
+    """-> what makes the model's heads fail cuda_graphs, or None. The model's: a fine-tuned one has
+    its checkpoint's, known only once it is read."""
+    head_size = cfg.d_head or cfg.d_model // cfg.n_heads
+    if cuda_graphs and (head_size % 8 != 0 or head_size > 256):  # flash attention's varlen kernel
         return (f"cuda_graphs needs a head size (d_head, or d_model / n_heads) that is a multiple "
                 f"of 8 and at most 256, got {head_size}")
     return None

@@ -106,6 +106,10 @@ def log(*args, **kwargs):
 
 device, dtype = speed.resolve_device(device, dtype, log)
 device_type = device.split(':')[0]
+problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
+                               checkpoint_activations)
+if problem:
+    sys.exit(problem)
 checkpoint.make_writable(out_dir, 'out_dir')
 # host_group: gloo, for small agreements on the host (stop signals) that must not wait for a GPU
 ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes, out_dir)
@@ -132,9 +136,7 @@ state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir, con
                                                               tokenizer, log)
 # Fine-tuning keeps the checkpoint's architecture, and config takes it.
 model_cfg = checkpoint.model_config(state, fine_tuned_from, config, meta, enc.n_vocab, log)
-head_size = model_cfg.d_head or model_cfg.d_model // model_cfg.n_heads  # d_k
-problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
-                               checkpoint_activations, head_size)
+problem = speed.check_heads(model_cfg, cuda_graphs)
 if problem:
     sys.exit(problem)
 dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_tokens,

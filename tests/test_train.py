@@ -213,7 +213,9 @@ GRAPHS_MOCKED = ("import runpy, sys, torch, speed\n"
                  "sys.argv = sys.argv[1:]\n"
                  "runpy.run_path('train.py', run_name='__main__')\n")
 HEADS_CHECKED = ("import runpy, sys, speed\n"
-                 "speed.check_settings = lambda *args: f'head size {args[-1]}'\n"
+                 "def refuse(cfg, cuda_graphs):  # with the head size it is given\n"
+                 "    return f'head size {cfg.d_head or cfg.d_model // cfg.n_heads}'\n"
+                 "speed.check_heads = refuse\n"
                  "sys.argv = sys.argv[1:]\n"
                  "runpy.run_path('train.py', run_name='__main__')\n")
 NO_DROPOUT = ['--max_steps=5', '--dropout=0.0']
@@ -640,9 +642,9 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
     smallest = dataset.pair_sizes(splits['training']).min()
     message = in_process_refusal(dataset.check_sizes, splits, smallest - 1, 1024, data_dir, print)
     assert f'raise it to at least {smallest}' in message
-    problem = speed.check_settings('cpu', 'float32', True, False, 1, False, 8)
+    problem = speed.check_settings('cpu', 'float32', True, False, 1, False)
     assert 'cuda_graphs needs a GPU' in problem
-    problem = speed.check_settings('cpu', 'float32', False, True, 1, False, 8)  # TINY's dtype
+    problem = speed.check_settings('cpu', 'float32', False, True, 1, False)  # TINY's dtype
     assert 'master_weights must be False with dtype float32' in problem
     (err,) = refused((['--max_len=8'], tmp_path, data_dir))
     assert 'max_len=8' in err
@@ -881,10 +883,11 @@ def test_every_rank_steps_from_rank_0s_weights_with_or_without_master_weights(ma
 
 def test_cuda_graphs_head_sizes_outside_flash_attentions_are_refused():
     def problem(head_size):
-        return speed.check_settings('cuda', 'bfloat16', True, False, 1, False, head_size)
+        return speed.check_heads(M.Config(d_model=512, n_heads=1, d_head=head_size), True)
     assert problem(64) is None and problem(256) is None
     for head_size in (512, 12, 4):  # Table 3 row A at h=1 is 512
         assert 'multiple of 8 and at most 256' in problem(head_size)
+    assert speed.check_heads(M.Config(d_model=512, n_heads=1), False) is None
 
 
 def test_the_speed_settings_are_checked_with_a_fine_tuned_checkpoints_heads(run, data_dir,

@@ -144,8 +144,9 @@ def settings_differ(path, given, defaults):
     return differ
 
 
-def trim_log(out_dir, step):
-    """A resumed run logs the steps after its state again: the log keeps the records up to it."""
+def trim_log(out_dir, step, final=False):
+    """A resumed run logs the steps after its state again: the log keeps the records up to it.
+    final: before the final evaluation, which replaces the one a rerun of a finished run finds."""
     path = os.path.join(out_dir, 'log.jsonl')
     if not os.path.exists(path):
         return
@@ -157,7 +158,8 @@ def trim_log(out_dir, step):
             record = json.loads(line)
         except ValueError:  # the torn last line of a killed run
             continue
-        if record.get('step', 0) <= step:
+        evaluated = 'valid_loss' in record and record.get('step') == step
+        if record.get('step', 0) <= step and not (final and evaluated):
             kept.append(line)
     if len(kept) < len(lines):
         with atomic(path) as f:

@@ -402,6 +402,8 @@ newest = checkpoint.checkpoints(out_dir)[-average_last:]
 raw_model.load_state_dict(checkpoint.average_checkpoints(newest))
 save(os.path.join(out_dir, 'ckpt.pt'))
 log(f"averaged {len(newest)} checkpoint(s) into {os.path.join(out_dir, 'ckpt.pt')}")
+if master:  # the same command rerun after the end evaluates again: one record of it stays
+    checkpoint.trim_log(out_dir, step, final=True)
 evaluate(final=True)
 done = f"done: step {step}, {(time.time() - t_start) / 60:.1f} min"
 if best_bleu >= 0:

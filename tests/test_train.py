@@ -1052,6 +1052,7 @@ def test_the_same_command_continues_a_finished_run_and_keeps_its_log(run, data_d
                 data_dir)
     assert 'resuming from' in res.stdout and 'state_0000006.pt' in res.stdout
     assert losses(out) == losses(run[0])
+    assert records(out, 'valid_loss') == records(run[0], 'valid_loss')  # evaluated once
 
 
 def test_sigterm_to_one_rank_saves_both_at_one_step_and_the_same_command_goes_on(two, data_dir,

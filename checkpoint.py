@@ -61,6 +61,15 @@ def atomic(path):
         raise
 
 
+def stop_on_signals():
+    """kill and timeout (SIGTERM) and a closed terminal (SIGHUP) stop a script as Ctrl-C does: its
+    partial files go (they have temporary names until complete) and it says so in one line. A
+    signal ignored from the start stays ignored (nohup)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, signal.default_int_handler)
+
+
 def save_atomic(obj, path):
     with atomic(path) as f:
         torch.save(obj, f)
@@ -328,15 +337,6 @@ def best_bleu_in(out_dir):
 
 
 # --- reading, listing and averaging checkpoints --------------------------------------------------
-
-
-def stop_on_signals():
-    """kill and timeout (SIGTERM) and a closed terminal (SIGHUP) stop a script as Ctrl-C does: its
-    partial files go (they have temporary names until complete) and it says so in one line. A
-    signal ignored from the start stays ignored (nohup)."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) == signal.SIG_DFL:
-            signal.signal(sig, signal.default_int_handler)
 
 
 def fail(msg):  # named after the running script: every script reads checkpoints through these

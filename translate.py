@@ -338,9 +338,9 @@ def write_output(args, model, enc, lines, opts):
         done = write_translations(args, model, enc, lines, out, opts)
         if out is not sys.stdout:
             out.close()
-        if tmp and os.path.exists(real):  # it keeps the permissions of the file it replaces
-            shutil.copymode(real, tmp)
         if tmp:
+            if os.path.exists(real):  # it keeps the permissions of the file it replaces
+                shutil.copymode(real, tmp)
             os.replace(tmp, real)
     except BrokenPipeError:  # the reader left: stopped quietly below, in __main__
         raise

@@ -214,3 +214,15 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
                 hyps.append((row[:row.index(cfg.eos_id)], score))
         results.append(hyps[:nbest])
     return results
+
+
+def best_translations(model, srcs, beam, alpha, max_tokens=4096):
+    """{key: the best hypothesis' tokens} of srcs ({key: source ids}) by beam search, in batches of
+    max_tokens source tokens as translate.py's: train.py's validation BLEU."""
+    device = next(model.parameters()).device
+    best = {}
+    for batch in length_batches(srcs, max_tokens):
+        out = beam_search(model, padded(srcs, batch, model.cfg.pad_id, device), beam, alpha)
+        for key, nbest in zip(batch, out):
+            best[key] = nbest[0][0]
+    return best

@@ -40,6 +40,15 @@ def agree(sums, elapsed):
     return slowest.item()
 
 
+def report(sums, out_dir, master, max_bad_steps, **values):
+    """At a log step, on every rank: the stop after too many non-finite updates in a row, rank 0's
+    line and record (log_line's values), and new sums."""
+    stop_if_diverged(sums, max_bad_steps)
+    if master:
+        log_line(sums, out_dir, **values)
+    reset(sums)
+
+
 def stop_if_diverged(sums, max_bad_steps):
     """Every rank reads the same count (the gradient norm is all-reduced): all stop together."""
     worst_run = int(sums['worst_run'].item())

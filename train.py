@@ -228,16 +228,11 @@ def get_lr(step, elapsed=0.0):
 def validation_bleu():
     """Beam search as translate.py's over each rank's share of the sources; too long ones: ''."""
     srcs = dataset.sources(valid_data, rank, world, model_cfg.max_len, EOS)
-    hyps = {}
-    for batch in decode.length_batches(srcs, 4096):  # source tokens, as translate.py's batches
-        with autocast:
-            out = decode.beam_search(raw_model, decode.padded(srcs, batch, PAD, device),
-                                     bleu_beam, bleu_lenpen)
-        for i, nbest in zip(batch, out):
-            hyps[i] = enc.decode(nbest[0][0])  # the best hypothesis' tokens
-    for share in cluster.gather(hyps, ddp, world):
-        hyps.update(share)
-    hyps = [hyps.get(i, '') for i in range(len(valid_ref))]
+    with autocast:
+        best = decode.best_translations(raw_model, srcs, bleu_beam, bleu_lenpen)
+    for share in cluster.gather(best, ddp, world):
+        best.update(share)
+    hyps = [enc.decode(best.get(i, [])) for i in range(len(valid_ref))]
     return BLEU().corpus_score(hyps, [valid_ref]).score
 
 
@@ -339,9 +334,7 @@ while step < max_steps:
             sums['loss'] += loss.detach()
             sums['nll'] += nll
     except torch.cuda.OutOfMemoryError:
-        sys.exit(f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise "
-                 f"update_freq to keep the same tokens per update, or recompute with "
-                 f"checkpoint_activations=True")
+        sys.exit(speed.out_of_memory(max_tokens))
     if ddp and cuda_graphs:  # DDP's hooks see no graph replay
         speed.all_reduce_grads(train_model)
     if master_weights:  # the float32 model takes the copy's gradients
@@ -374,13 +367,10 @@ while step < max_steps:
         max_steps = step
         log_step = True
     if log_step:
-        progress.stop_if_diverged(sums, max_bad_steps)
-        if master:
-            eta = progress.eta(step, max_steps, elapsed, max_minutes)
-            progress.log_line(sums, out_dir, step=step, epoch=epoch, lr=lr_now,
-                              grad_norm=grad_norm, elapsed=elapsed, eta=eta,
-                              interval=time.time() - t_last)
-        progress.reset(sums)
+        eta = progress.eta(step, max_steps, elapsed, max_minutes)
+        progress.report(sums, out_dir, master, max_bad_steps, step=step, epoch=epoch, lr=lr_now,
+                        grad_norm=grad_norm, elapsed=elapsed, eta=eta,
+                        interval=time.time() - t_last)
     # The last step is evaluated after the averaging below.
     if (every(eval_interval) or every(bleu_interval)) and step != max_steps:
         evaluate()

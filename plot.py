@@ -141,7 +141,7 @@ def read_records(path):
 
 def read_log(path):
     """A run folder or its log.jsonl -> (training records, evaluation records), each record with a
-    'minutes' of training time: evaluation lines carry none, so theirs is interpolated by step, and
+    'minutes' of training time: evaluation lines have none, so theirs is interpolated by step, and
     after a resume the clock goes on (train.py keeps the training time in its state; an older
     train.py started it at zero, and then it goes on from the last step kept)."""
     if os.path.isdir(path):
@@ -206,7 +206,7 @@ def plot_curves(runs, out, x='step', labels=None, show=False):
     out = figure_path(out)
     logs = [read_log(r) for r in runs]
     for run, (train, _) in zip(runs, logs):
-        if x == 'minutes' and not train:  # evaluation records carry no clock of their own
+        if x == 'minutes' and not train:  # evaluation records have no clock of their own
             fail(f"{run}: log.jsonl has no training records, so no minutes: plot it with --x step")
     if not labels:
         labels = [run_name(r) for r in runs]

@@ -85,7 +85,6 @@ def check_heads(cfg, cuda_graphs):
     return None
 
 
-
 def out_of_memory(max_tokens):
     """What to change when a training step runs out of GPU memory."""
     return (f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise "

@@ -18,12 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'tes
 def toy(tmp_path_factory):
     """test_translate.py's tiny word-order reversal model, its checkpoint, and 24 source lines."""
     from test_translate import sentence, train_reversal
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two shared cores: one thread is faster than oversubscribed ones
-    try:
-        model, d, enc, cfg = train_reversal()
-    finally:
-        torch.set_num_threads(threads)
+    model, d, enc, cfg = train_reversal()
     folder = tmp_path_factory.mktemp('toy')
     ckpt = folder / 'ckpt.pt'
     saved = {'model': model.state_dict(), 'model_cfg': asdict(cfg), 'tokenizer': d, 'step': 250,
@@ -55,24 +50,53 @@ def multi30k_en_de(tmp_path_factory):
 
 
 def pytest_configure(config):
-    config.addinivalue_line('markers', "started_early: the test reads a run that its module's "
-                            "start_early(request) starts before the first test")
+    config.addinivalue_line('markers', 'started_early: the test waits for a run started before the '
+                            'first test (started_early below): it goes last')
+    config.addinivalue_line('markers', 'both_cores: the tests start processes that keep both '
+                            'cores busy: they go after the others')
+
+
+def place(item):
+    """0: the tests that keep one core busy, while the runs started early take the other; 1: those
+    marked both_cores; 2: those marked started_early."""
+    if item.get_closest_marker('started_early'):
+        return 2
+    if item.get_closest_marker('both_cores'):
+        return 1
+    return 0
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked started_early go last: their runs overlap the rest of the suite, whose
-    train.py processes mostly keep one of the two cores busy."""
-    items.sort(key=lambda item: item.get_closest_marker('started_early') is not None)
+    items.sort(key=place)  # stable: in the order collected within each group
 
 
 @pytest.fixture(scope='session', autouse=True)
-def started_early(request):
-    """{test name: (process, what else its module's start_early(request) gave)} of the selected
-    tests marked started_early, started before the first test; killed if the test run ends first."""
+def one_thread():
+    """Torch in this process on one thread: two shared cores, and small models run as fast on one
+    as on two, while another process takes the other."""
+    torch.set_num_threads(1)
+
+
+def selected_names(items):
+    """{test module: the names of its selected tests and of the fixtures they use}."""
+    names = {}
+    for item in items:
+        names.setdefault(item.module, set()).update([item.originalname, *item.fixturenames])
+    return names
+
+
+@pytest.fixture(scope='session', autouse=True)
+def started_early(request, one_thread):
+    """{name: (process, what else)}: the runs that each test module's start_early(request, names)
+    starts for the names of its selected tests and fixtures, all before the first test, at the
+    lowest priority: they take the time that the other tests leave a core idle. Those still running
+    when the test run ends are killed."""
     runs = {}
-    for item in request.session.items:
-        if item.get_closest_marker('started_early'):
-            runs[item.originalname] = item.module.start_early(request)
+    for module, names in selected_names(request.session.items).items():
+        if hasattr(module, 'start_early'):
+            runs.update(module.start_early(request, names))
+    for process, _ in runs.values():
+        os.setpriority(os.PRIO_PROCESS, process.pid, 19)
     yield runs
     for process, _ in runs.values():
         process.kill()

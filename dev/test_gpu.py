@@ -231,15 +231,18 @@ def test_a_bfloat16_run_resumes_in_float16(data_dir, tmp_path):
     assert [r['step'] for r in records(tmp_path, 'loss')] == [1, 2, 3]
 
 
-def start_early(request):
+def start_early(request, names):
     """gpu_check.py --tiny, started before the first test (conftest.py): 13 s on one core, which
-    the rest of the suite overlaps -> (its process, its out folder)."""
+    the rest of the suite overlaps -> {test name: (its process, its out folder)}."""
+    name = 'test_gpu_check_runs_end_to_end_in_tiny_mode_on_the_cpu'
+    if name not in names:
+        return {}
     out = request.getfixturevalue('tmp_path_factory').mktemp('gpu_check') / 'out'
     script = os.path.join(ROOT, 'dev', 'gpu_check.py')
     cmd = [sys.executable, script, str(out), toy_data_dir(request), '--tiny']
     with open(out.parent / 'output.txt', 'w') as output:  # a pipe nobody reads yet could fill
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
-    return process, out
+    return {name: (process, out)}
 
 
 @pytest.mark.started_early

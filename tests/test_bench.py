@@ -48,26 +48,26 @@ def prepared(tmp_path):
     return write_prepared(tmp_path)
 
 
-@pytest.fixture(scope='module')
-def tiny_run(request, tmp_path_factory):
+def start_early(request, names):
     """bench.py's tiny run on a prepared folder, with its profile, in both dtypes (bf16 where
-    native: emulated takes minutes), started before conftest.py's toy model trains in this
-    process where a selected test uses it: one thread each on two cores -> (dtypes, its finished
-    process)."""
+    native: emulated takes minutes), on one thread -> {test name: (its process, (the dtypes, the
+    folder of its stdout.txt and stderr.txt))}."""
+    name = 'test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr'
+    if name not in names:
+        return {}
     fast = speed.fast_dtype('cpu')
     dtypes = ['float32']
     if fast != 'float32':
         dtypes.append(fast)
-    folder, _ = write_prepared(tmp_path_factory.mktemp('prepared'))
+    made = request.getfixturevalue('tmp_path_factory').mktemp
+    folder, _ = write_prepared(made('prepared'))
+    outputs = made('tiny_run')  # files: a pipe nobody reads yet could fill
     argv = [*TINY, '--profile', '--data', folder, '--dtype', *dtypes]
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    proc = subprocess.Popen([sys.executable, 'bench.py', *argv], cwd=bench.HERE, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    if any('toy' in item.fixturenames for item in request.session.items):
-        request.getfixturevalue('toy')
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]  # a smoke test
-    return dtypes, subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    with open(outputs / 'stdout.txt', 'w') as out, open(outputs / 'stderr.txt', 'w') as err:
+        process = subprocess.Popen([sys.executable, 'bench.py', *argv], cwd=bench.HERE, text=True,
+                                   stdout=out, stderr=err, env=env)
+    return {name: (process, (dtypes, outputs))}
 
 
 def test_flops_hand_count():
@@ -136,10 +136,17 @@ def test_batches_go_on_into_the_next_epoch_when_one_is_short(prepared):
     assert [len(b[0]) for b in seeded] == list(map(len, dataset.batch_plan(data, 512, 7, 0)[:2]))
 
 
-def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(tiny_run):
+@pytest.mark.started_early
+def test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr(started_early):
     # On a data folder: its vocabulary and ids, and both dtypes. Synthetic batches run in
     # dev/test_gpu.py's CPU test of gpu_check.py.
-    dtypes, res = tiny_run
+    process, (dtypes, outputs) = started_early[
+        'test_a_tiny_run_prints_one_json_record_and_its_profile_on_stderr']
+    process.wait(timeout=300)
+    res = subprocess.CompletedProcess(process.args, process.returncode,
+                                      (outputs / 'stdout.txt').read_text(),
+                                      (outputs / 'stderr.txt').read_text())
+    assert res.returncode == 0, res.stderr[-3000:]  # a smoke test
     r = json.loads(res.stdout)
     assert 'aten::mm' in res.stderr and 'Self CPU time total' in res.stderr
     assert [(t['impl'], t['mode'], t['dtype']) for t in r['train']] == [

@@ -24,15 +24,12 @@ import export_ct2 as E  # noqa: E402  (needs ctranslate2)
 def toy(toy, tmp_path_factory):
     """conftest.py's toy (test_translate.py's reversal model, post-norm as the paper), with its
     float32 export, its tokenizer dict and 32 source lines."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two shared cores: one thread is faster than oversubscribed ones
     ct2 = str(tmp_path_factory.mktemp('toy') / 'ct2')
     E.main(['--ckpt', toy['ckpt'], '--out', ct2])
     d = torch.load(toy['ckpt'], weights_only=True)['tokenizer']
     # Lengths out of order, so batches are length-sorted and put back.
     lines = [sentence(random.Random(i)) for i in range(32)]
-    yield dict(ckpt=toy['ckpt'], ct2=ct2, model=toy['model'], enc=toy['enc'], d=d, lines=lines)
-    torch.set_num_threads(threads)
+    return dict(ckpt=toy['ckpt'], ct2=ct2, model=toy['model'], enc=toy['enc'], d=d, lines=lines)
 
 
 # Table 3: (E) learned positions, (A) h 8 x d_k 8 = d_model 64, (B) d_k 4 at h 4 (CTranslate2:

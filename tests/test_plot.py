@@ -20,15 +20,6 @@ import plot
 PAD, BOS, EOS = 0, 1, 2
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    # Two shared cores: small models run faster on one thread than on oversubscribed ones.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny():
     torch.manual_seed(0)
     cfg = M.Config(vocab_size=24, n_enc_layers=2, n_dec_layers=2, d_model=32, d_ff=64, n_heads=4,

@@ -31,6 +31,7 @@ import speed
 import translate
 from test_translate import reading
 
+pytestmark = pytest.mark.both_cores  # its runs start two at a time: after the other files
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the root: the scripts
 TINY = [
     '--n_enc_layers=1',

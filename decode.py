@@ -8,7 +8,9 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from sacrebleu.metrics import BLEU
 
+import cluster
 import dataset
 import model as M
 
@@ -216,13 +218,17 @@ def beam_search(model, src, beam=4, alpha=0.6, max_len_a=1.0, max_len_b=50, nbes
     return results
 
 
-def best_translations(model, srcs, beam, alpha, max_tokens=4096):
-    """{key: the best hypothesis' tokens} of srcs ({key: source ids}) by beam search, in batches of
-    max_tokens source tokens as translate.py's: train.py's validation BLEU."""
+def corpus_bleu(model, data, refs, enc, beam, alpha, rank=0, world=1, ddp=False):
+    """train.py's validation BLEU: beam search in batches of 4096 source tokens, as translate.py's,
+    over every rank's share of data's sources (those over max_len: ''), against refs."""
     device = next(model.parameters()).device
+    srcs = dataset.sources(data, rank, world, model.cfg.max_len, model.cfg.eos_id)
     best = {}
-    for batch in length_batches(srcs, max_tokens):
+    for batch in length_batches(srcs, 4096):
         out = beam_search(model, padded(srcs, batch, model.cfg.pad_id, device), beam, alpha)
         for key, nbest in zip(batch, out):
             best[key] = nbest[0][0]
-    return best
+    for share in cluster.gather(best, ddp, world):
+        best.update(share)
+    hyps = [enc.decode(best.get(i, [])) for i in range(len(refs))]
+    return BLEU().corpus_score(hyps, [refs]).score

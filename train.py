@@ -16,7 +16,6 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-from sacrebleu.metrics import BLEU
 
 import checkpoint
 import cluster
@@ -33,18 +32,17 @@ _t_process = time.time()  # '_': not a setting
 # I/O
 data_dir = 'data/multi30k_en_de'
 out_dir = 'out/multi30k_en_de'
-init_from = 'auto'     # 'auto' (go on with out_dir's run of these settings), 'scratch', 'resume',
-                       # or a checkpoint to fine-tune
-overwrite = False      # True: a new run deletes out_dir's old checkpoints and log
+init_from = 'auto'     # 'auto' (out_dir's run), 'scratch', 'resume', or a checkpoint to fine-tune
+overwrite = False      # True: a new run deletes out_dir's old run
 log_interval = 100     # steps
 eval_interval = 1000   # validation loss every N steps (0 = only at the end)
-bleu_interval = 0      # validation BLEU (and ckpt_best.pt) every N steps (0: at the end, -1: never)
+bleu_interval = 0      # validation BLEU and ckpt_best.pt every N steps (0: at the end, -1: never)
 bleu_beam = 4          # section 6.1
 bleu_lenpen = 0.6
 save_interval = 1000   # checkpoint every N steps ...
 save_minutes = 0.0     # ... and/or every N minutes (the paper: every 10 minutes)
 keep_last = 5          # ckpt_STEP.pt weight snapshots kept, for averaging
-keep_state = 1         # state_STEP.pt training states kept (weights + Adam), for resuming
+keep_state = 1         # state_STEP.pt training states kept, for resuming
 average_last = 5       # ckpt.pt: their average (section 6.1: 5 for base, 20 for big)
 # model (Table 3, base)
 n_enc_layers = 6       # N
@@ -60,11 +58,11 @@ max_len = 1024         # the positional table's length
 positions = 'sinusoidal'  # or 'learned': Table 3 row (E)
 # optimisation (sections 5.3, 5.4)
 max_tokens = 4096      # padded source or target tokens per GPU per micro-step
-update_freq = 1        # micro-steps accumulated per update: N GPUs ~ 1 GPU with update_freq N
+update_freq = 1        # micro-steps per update: N GPUs ~ 1 GPU with update_freq N
 max_steps = 100000
 max_minutes = 0.0      # also stop after this much training time, resumes included (0: no limit)
-schedule = 'noam'      # the paper's; 'inverse_sqrt' (fairseq's) or 'constant' peak at lr
-lr = 5e-4              # the peak of 'inverse_sqrt' and 'constant' ('noam' has its own)
+schedule = 'noam'      # the paper's; or 'inverse_sqrt' (fairseq's), 'constant'
+lr = 5e-4              # the peak of 'inverse_sqrt' and 'constant'
 lr_scale = 1.0         # on 'noam'
 warmup = 4000
 cooldown = 0.0         # LR falls linearly to 0 over this last share of the run
@@ -76,14 +74,14 @@ label_smoothing = 0.1
 clip_grad = 0.0        # max gradient norm (0: off, as the paper)
 # system
 device = 'auto'        # 'auto', 'cpu', 'cuda', 'cuda:1', ...
-dtype = 'auto'         # 'auto' (bf16 where native), 'bfloat16', 'float32', 'float16' (GPU)
+dtype = 'auto'         # bf16 where native; or 'bfloat16', 'float32', 'float16' (GPU)
 compile = False
-cuda_graphs = False    # GPU: rows packed to a fixed size, steps replayed as CUDA graphs
-master_weights = False  # steps on a copy in dtype, Adam on the float32 model (fairseq's --bf16)
+cuda_graphs = False    # GPU: packed rows of a fixed size, steps replayed as CUDA graphs
+master_weights = False  # steps on a copy in dtype, Adam on float32 (fairseq's --bf16)
 checkpoint_activations = False  # backward recomputes each layer: less memory
 seed = 1337
 max_bad_steps = 20     # non-finite updates in a row before giving up
-ddp_timeout_minutes = 60.0  # a rank's wait in a collective (NCCL's default, 10, is short)
+ddp_timeout_minutes = 60.0  # a rank's wait in a collective
 # -----------------------------------------------------------------------------------------------
 # the configurator: a config file, then --key=value, override the settings above
 config_keys = [k for k, v in globals().items()
@@ -111,20 +109,19 @@ problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, 
 if problem:
     sys.exit(problem)
 checkpoint.make_writable(out_dir, 'out_dir')
-# host_group: gloo, for small agreements on the host (stop signals) that must not wait for a GPU
+# host_group: gloo, for agreements on the host (stop signals) that must not wait for a GPU
 ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes, out_dir)
 torch.manual_seed(seed + rank)
 speed.configure_backends(device_type, dtype, checkpoint_activations)
 # A CUDA graph casts the weights in its replays: autocast must not cache the casts.
 autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
                           cache_enabled=not cuda_graphs)
-# start: init_from, with 'auto' resolved by what out_dir holds. A resume reads the newest state in
-# checkpoint.initial_state and puts it back in checkpoint.resume, below.
+# start: init_from, 'auto' resolved by what out_dir holds
 start, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
 # -----------------------------------------------------------------------------------------------
 # data: the token files data_prep.py writes
-# tokenizer: its description, saved in each checkpoint; enc: the tiktoken encoding it builds
+# tokenizer: its description, saved in each checkpoint; enc: its tiktoken encoding
 meta, tokenizer, enc, valid_ref = dataset.open_prepared(data_dir)
 PAD, BOS, EOS = meta['pad_id'], meta['bos_id'], meta['eos_id']
 train_data = dataset.load_split(data_dir, 'train')
@@ -144,7 +141,7 @@ dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_toke
 raw_model = M.Transformer(model_cfg).to(device)
 if state is not None:
     raw_model.load_state_dict(state['model'])
-if device_type == 'cpu':  # dropout's mask by rand_like: half bernoulli_'s time on a CPU
+if device_type == 'cpu':  # dropout masks by rand_like: half bernoulli_'s time on a CPU
     speed.cpu_dropout(raw_model)
 optimizer = M.configure_optimizer(raw_model, lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                                   weight_decay=weight_decay)  # lr: set at each step
@@ -165,13 +162,13 @@ if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2
 
 
 def get_batch(data, ids, packed=False):
-    """-> src, tgt_in, the real target rows, their targets; pinned, the copy does not wait."""
+    """-> src, tgt_in, the real target rows, their targets."""
     batch = [torch.from_numpy(x) for x in dataset.collate(data, ids, PAD, BOS, EOS)]
     if packed:  # cuda_graphs: each side one row of a fixed size, left on the host
         src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, max_tokens + graph_len,
                                               graph_len)
         return [src, tgt_in, rows, batch[3], *sides]
-    if device_type == 'cuda':
+    if device_type == 'cuda':  # pinned: the copy does not wait
         batch = [x.pin_memory() for x in batch]
     return [x.to(device, non_blocking=True) for x in batch]
 
@@ -185,13 +182,13 @@ def this_ranks_batches(updates):
 
 updates = dataset.updates(train_data, max_tokens, seed, world, update_freq, epoch, batch_idx)
 batches = dataset.prefetched(this_ranks_batches(updates))  # a thread makes them during a step
-# An old run's files (--overwrite, or a log without a state) go only now that every input loaded.
+# An old run's files go only now that every input loaded.
 if start != 'resume' and run_files:
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
 # -----------------------------------------------------------------------------------------------
-# the speed paths (docs/performance.md). raw_model: the float32 weights Adam steps and checkpoints
-# hold; train_model: what the steps run (a bf16 copy with master_weights); model: how it is called
+# the speed paths (docs/performance.md). raw_model: the float32 weights Adam steps; train_model:
+# what the steps run (a bf16 copy with master_weights); model: how it is called
 train_model, chunk_fn = speed.training_model(raw_model, ddp, master_weights, dtype,
                                               checkpoint_activations, compile)
 model = train_model
@@ -217,7 +214,7 @@ def get_lr(step, elapsed=0.0):
         rate = lr * min(step / warmup, 1.0)
     if cooldown == 0:
         return rate
-    # the cooldown: to 0 over the run's last share, by the budget (steps or time) ending it first
+    # the cooldown: to 0 over the run's last share, by steps or time, whichever ends it first
     done = step / max_steps
     if max_minutes > 0:
         done = max(done, elapsed / (max_minutes * 60))
@@ -225,19 +222,7 @@ def get_lr(step, elapsed=0.0):
 
 
 @torch.no_grad()
-def validation_bleu():
-    """Beam search as translate.py's over each rank's share of the sources; too long ones: ''."""
-    srcs = dataset.sources(valid_data, rank, world, model_cfg.max_len, EOS)
-    with autocast:
-        best = decode.best_translations(raw_model, srcs, bleu_beam, bleu_lenpen)
-    for share in cluster.gather(best, ddp, world):
-        best.update(share)
-    hyps = [enc.decode(best.get(i, [])) for i in range(len(valid_ref))]
-    return BLEU().corpus_score(hyps, [valid_ref]).score
-
-
-@torch.no_grad()
-@torch.compiler.set_stance('force_eager')  # compiled layers run eagerly: no recompiles here
+@torch.compiler.set_stance('force_eager')  # no recompiles for evaluation
 def evaluate(final=False):
     """Validation loss, and BLEU when due, over every rank's share of the batches."""
     global best_bleu
@@ -255,7 +240,9 @@ def evaluate(final=False):
     total, nll, ntok = totals.tolist()
     record = {'step': step, 'valid_loss': total / ntok, 'valid_ppl': math.exp(nll / ntok)}
     if bleu_interval >= 0 and (final or every(bleu_interval)):
-        record['valid_bleu'] = validation_bleu()
+        with autocast:
+            record['valid_bleu'] = decode.corpus_bleu(raw_model, valid_data, valid_ref, enc,
+                                                      bleu_beam, bleu_lenpen, rank, world, ddp)
         if record['valid_bleu'] > best_bleu:
             best_bleu = record['valid_bleu']
             save(os.path.join(out_dir, 'ckpt_best.pt'), valid_bleu=best_bleu)
@@ -267,7 +254,7 @@ def evaluate(final=False):
 
 
 def save(path, full=False, **extra):
-    """Weights, or with full a training state: every rank gives its random generators."""
+    """Weights, or with full a training state with every rank's random generators."""
     ckpt = {'model': raw_model.state_dict(), 'model_cfg': asdict(model_cfg),
             'tokenizer': tokenizer, 'step': step, 'config': config, 'data_dir': data_dir,
             'fine_tuned_from': fine_tuned_from, 'given_config': given_config, **extra}
@@ -303,8 +290,7 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
     f"ready {time.time() - _t_process:.1f}s after start")
 t_start = time.time() - elapsed
 t_last = time.time()
-# elapsed: training seconds, resumes included; clock: the same as every rank goes by, under DDP
-# agreed at log steps, where the host waits for the GPU anyway; t_last: the last log line's time
+# clock: elapsed as every rank goes by; under DDP agreed at log steps, where the host waits anyway
 clock = elapsed
 last_save = elapsed
 sums = progress.new_sums(device)
@@ -319,16 +305,16 @@ while step < max_steps:
         group['lr'] = lr_now
     try:
         for micro, (src, tgt_in, rows, targets, *sides) in enumerate(micro_batches):
-            if ddp and not cuda_graphs:  # as nanoGPT: all-reduce only on the last micro-step
+            if ddp and not cuda_graphs:  # as nanoGPT: all-reduce on the last micro-step only
                 model.require_backward_grad_sync = micro == update_freq - 1
             targets = targets.to(device)  # a packed batch's are on the host
             with step_context:
-                # x: the decoder's states at the real target tokens (rows of the flattened batch);
-                # the loss projects them with the shared embedding (section 3.4).
+                # x: the decoder's states at the real target tokens; the loss projects them with
+                # the shared embedding (section 3.4).
                 x = model(src, tgt_in, rows, *sides)
                 loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
                                                   label_smoothing, chunk_fn)
-            # loss is this micro-batch's sum: over the update's tokens on every rank, the mean.
+            # loss: this micro-batch's sum. Over the update's tokens on every rank, the mean;
             # DDP averages the gradients over the ranks, so times world.
             scaler.scale(loss * world / ntok_update).backward()
             sums['loss'] += loss.detach()
@@ -340,12 +326,12 @@ while step < max_steps:
     if master_weights:  # the float32 model takes the copy's gradients
         speed.gradients_to_master(raw_model, train_model)
     scaler.unscale_(optimizer)
-    max_norm = math.inf  # the norm is taken anyway: the log shows it, and it finds non-finite steps
+    max_norm = math.inf  # the norm is taken anyway: the log shows it, it finds non-finite steps
     if clip_grad > 0:
         max_norm = clip_grad
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
-    # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does: the
-    # fused optimizer reads found_inf (model.configure_optimizer).
+    # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does
+    # (model.configure_optimizer).
     bad = ~torch.isfinite(grad_norm)
     optimizer.found_inf = bad.float()
     scaler.step(optimizer)
@@ -392,7 +378,7 @@ newest = checkpoint.checkpoints(out_dir)[-average_last:]
 raw_model.load_state_dict(checkpoint.average_checkpoints(newest))
 save(os.path.join(out_dir, 'ckpt.pt'))
 log(f"averaged {len(newest)} checkpoint(s) into {os.path.join(out_dir, 'ckpt.pt')}")
-if master:  # the same command rerun after the end evaluates again: one record of it stays
+if master:  # the same command rerun after the end evaluates again: one record stays
     checkpoint.trim_log(out_dir, step, final=True)
 evaluate(final=True)
 done = f"done: step {step}, {(time.time() - t_start) / 60:.1f} min"

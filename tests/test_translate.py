@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import sacrebleu
 import torch
@@ -247,6 +248,21 @@ def test_ref_with_the_reference_as_hypothesis_gives_bleu_100(toy, tmp_path, caps
     err = capsys.readouterr().err
     assert 'sacreBLEU: BLEU = 100.00' in err and 'chrF2 = 100.00' in err
     assert 'paper BLEU' in err and err.count('BLEU = 100.00') == 2
+
+
+def test_validation_bleu_is_translate_pys_bleu_of_the_same_model_and_sentences(toy):
+    # train.py's (decode.corpus_bleu, on prepared ids; a sentence too long for the model gives '')
+    # and translate.py's (on text lines; too long: truncated); the references half reversed.
+    enc, model = toy['enc'], toy['model']
+    lines = toy['lines'] + ['w1 ' * model.cfg.max_len]
+    ids = [enc.encode_ordinary(line.strip()) for line in lines]
+    tok = np.array([t for x in ids for t in x])
+    idx = np.cumsum([0] + [len(x) for x in ids])
+    refs = [reverse(line) for line in lines[:12]] + lines[12:]
+    hyps = list(T.translate_lines(model, enc, lines[:-1])) + ['']
+    score = decode.corpus_bleu(model, (tok, idx), refs, enc, beam=4, alpha=0.6)
+    assert score == T.bleu(hyps, refs).score
+    assert 20 < score < 80
 
 
 def test_bleu_and_paper_bleu_are_sacrebleus_the_latter_with_compounds_split():

@@ -398,7 +398,7 @@ def assert_same_run(out, reference):
 def test_learned_positions_and_d_head_are_trained_saved_averaged_and_resumed(data_dir, tmp_path,
                                                                             solo):
     # Table 3's rows (E) and (B) as settings (LEARNED): the learned table trains, and the
-    # checkpoints, their average and a resume carry it and the Config (h 3 x d_k 4 = 12, under
+    # checkpoints, their average and a resume hold it and the Config (h 3 x d_k 4 = 12, under
     # d_model 32, which 3 does not divide).
     finish(solo[1])
     shutil.copytree(solo[0], tmp_path / 'a')

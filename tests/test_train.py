@@ -1,12 +1,13 @@
 """
-Tests for train.py, run as users run it (a subprocess, torchrun for two processes) on a toy corpus
-that data_prep.py prepares once. Runs that several tests read are module fixtures; each test copies
-what it changes. Functions of train.py that need no run (the configurator, the schedule) are loaded
-from its source, and the checks that refuse a run are called in-process where one run shows the
-refusal end to end.
+Tests for train.py, run as users run it on a toy corpus that data_prep.py prepares once: a process
+of its own, forked from a server that has imported torch (forkserver.py), or torchrun's processes.
+Runs that several tests read are module fixtures; each test copies what it changes. Functions of
+train.py that need no run (the configurator, the schedule) are loaded from its source, and the
+checks that refuse a run are called in-process where one run shows the refusal end to end.
 """
 
 import ast
+import functools
 import glob
 import json
 import os
@@ -27,6 +28,7 @@ import model as M
 import configurator
 import data_prep
 import dataset
+import forkserver
 import speed
 import translate
 from test_translate import reading
@@ -90,16 +92,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+@functools.cache
+def fork_server():
+    return forkserver.ForkServer(dict(os.environ, OMP_NUM_THREADS='1'))
+
+
 def start(args, out_dir, data_dir, nproc=1, launcher=None):
-    """train.py with TINY's settings and args, started -> the running process."""
-    if launcher is None and nproc == 1:
-        launcher = [sys.executable]
-    if launcher is None:
-        launcher = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
-                    f'--master_port={free_port()}']
-    cmd = [*launcher, 'train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
-    return subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS='1'))
+    """train.py with TINY's settings and args, started -> the running process: under torchrun for
+    nproc > 1, else forked from a server that has imported torch (forkserver.py)."""
+    cmd = ['train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    if nproc == 1:
+        if launcher is not None:  # [python, '-c', WRAPPER]
+            cmd = [*launcher[1:], *cmd]
+        return fork_server().start(cmd, HERE, env)
+    launcher = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
+                f'--master_port={free_port()}']
+    return subprocess.Popen([*launcher, *cmd], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def finish(proc, ok=True):
@@ -121,8 +131,7 @@ def train(args, out_dir, data_dir, nproc=1, ok=True, launcher=None):
 
 def refused(*runs):
     """train.py runs [(args, out_dir, data_dir)] that must each stop with one line and no
-    traceback, started together: each is mostly the import of torch, which two cores do two at a
-    time. -> their stderr."""
+    traceback, started together on the two cores -> their stderr."""
     procs = [start(args, out_dir, data_dir) for args, out_dir, data_dir in runs]
     errs = []
     for proc in procs:
@@ -247,8 +256,8 @@ SHARED = {
 
 @pytest.fixture(scope='module')
 def shared(request, data_dir, tmp_path_factory):
-    """The runs of SHARED that the selected tests use, started together: each is mostly the import
-    of torch, which two cores do two at a time -> {name: (its out_dir, its process)}."""
+    """The runs of SHARED that the selected tests use, started together on the two cores
+    -> {name: (its out_dir, its process)}."""
     started = {}
     for name, (args, nproc, launcher) in SHARED.items():
         if name in selected(request):
@@ -444,9 +453,11 @@ def test_a_used_out_dir_is_refused_unless_overwrite_which_waits_for_every_input(
 def test_a_run_into_an_out_dir_another_run_is_using_is_refused(data_dir, tmp_path):
     first = start(['--max_steps=100000'], tmp_path, data_dir)
     try:
-        for line in first.stdout:  # training, so past every check of out_dir
-            if line.startswith('step 1 '):
-                break
+        deadline = time.time() + 60
+        # training (a step's record), so past every check of out_dir
+        while not os.path.exists(tmp_path / 'log.jsonl') or not records(tmp_path, 'loss'):
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.05)
         res = train(['--max_steps=2', '--init_from=resume'], tmp_path, data_dir, ok=False)
         assert 'in use by another train.py run' in res.stderr
     finally:

@@ -99,15 +99,19 @@ def fork_server():
 
 def start(args, out_dir, data_dir, nproc=1, launcher=None):
     """train.py with TINY's settings and args, started -> the running process: under torchrun for
-    nproc > 1, else forked from a server that has imported torch (forkserver.py)."""
+    nproc > 1; else on the CPU forked from a server that has imported torch (forkserver.py), on a
+    GPU (dev/test_gpu.py) a new process, as the GPU check runs it."""
     cmd = ['train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    if nproc == 1:
+    if nproc == 1 and '--device=cuda' not in args:
         if launcher is not None:  # [python, '-c', WRAPPER]
             cmd = [*launcher[1:], *cmd]
         return fork_server().start(cmd, HERE, env)
-    launcher = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
-                f'--master_port={free_port()}']
+    if launcher is None and nproc == 1:
+        launcher = [sys.executable]
+    if launcher is None:
+        launcher = [sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}',
+                    f'--master_port={free_port()}']
     return subprocess.Popen([*launcher, *cmd], cwd=HERE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 

@@ -174,7 +174,6 @@ if __name__ == '__main__':
     request = serve()
     if request is not None:
         code = start_run(request)
-        del request
         if code is None:
             runpy.run_path(sys.argv[0], run_name='__main__')
         else:

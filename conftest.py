@@ -77,22 +77,23 @@ def one_thread():
     torch.set_num_threads(1)
 
 
-def selected_names(items):
+@pytest.fixture(scope='session')
+def selected(request):
     """{test module: the names of its selected tests and of the fixtures they use}."""
     names = {}
-    for item in items:
+    for item in request.session.items:
         names.setdefault(item.module, set()).update([item.originalname, *item.fixturenames])
     return names
 
 
 @pytest.fixture(scope='session', autouse=True)
-def started_early(request, one_thread):
+def started_early(request, one_thread, selected):
     """{name: (process, what else)}: the runs that each test module's start_early(request, names)
     starts for the names of its selected tests and fixtures, all before the first test, at the
     lowest priority: they take the time that the other tests leave a core idle. Those still running
     when the test run ends are killed."""
     runs = {}
-    for module, names in selected_names(request.session.items).items():
+    for module, names in selected.items():
         if hasattr(module, 'start_early'):
             runs.update(module.start_early(request, names))
     for process, _ in runs.values():

@@ -173,15 +173,6 @@ def assert_same_params(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-def selected(request):
-    """The names of this module's selected tests and of the fixtures they use."""
-    names = set()
-    for item in request.session.items:
-        if item.path == request.path:
-            names.update([item.originalname, *item.fixturenames])
-    return names
-
-
 ONE = ['--max_steps=4', '--dropout=0.0', '--save_interval=1', '--bleu_interval=0',
        '--schedule=constant', '--warmup=1', '--lr=0.01']
 # train.py run by a wrapper: `python -c WRAPPER train.py ARGS`.
@@ -259,12 +250,12 @@ SHARED = {
 
 
 @pytest.fixture(scope='module')
-def shared(request, data_dir, tmp_path_factory):
+def shared(request, data_dir, tmp_path_factory, selected):
     """The runs of SHARED that the selected tests use, started together on the two cores
     -> {name: (its out_dir, its process)}."""
     started = {}
     for name, (args, nproc, launcher) in SHARED.items():
-        if name in selected(request):
+        if name in selected[request.module]:
             out = tmp_path_factory.mktemp(name[:30]) / 'run'
             started[name] = out, start(args, out, data_dir, nproc, launcher)
     yield started

@@ -12,6 +12,8 @@ run, as in a new process. The environment in effect when torch was imported is t
 The server reads one JSON line per run from stdin and answers on stdout with {'id', 'pid'} as it
 starts the run and {'id', 'returncode'} as it ends.
 """
+import functools
+import gc
 import json
 import os
 import runpy
@@ -165,12 +167,19 @@ class ForkServer:
         return run
 
 
+@functools.cache
+def server():
+    """The test run's server, started at its first run, with OMP_NUM_THREADS=1 for the runs."""
+    return ForkServer(dict(os.environ, OMP_NUM_THREADS='1'))
+
+
 if __name__ == '__main__':
     import numpy  # noqa: F401  (what the runs import, once)
     import sacrebleu  # noqa: F401
     import tiktoken  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (the optimizer's constructor imports it)
+    gc.freeze()  # the runs' garbage collections, and their ends, skip these modules' objects
     request = serve()
     if request is not None:
         code = start_run(request)

@@ -7,7 +7,6 @@ checks that refuse a run are called in-process where one run shows the refusal e
 """
 
 import ast
-import functools
 import glob
 import json
 import os
@@ -92,11 +91,6 @@ def free_port():
         return s.getsockname()[1]
 
 
-@functools.cache
-def fork_server():
-    return forkserver.ForkServer(dict(os.environ, OMP_NUM_THREADS='1'))
-
-
 def start(args, out_dir, data_dir, nproc=1, launcher=None):
     """train.py with TINY's settings and args, started -> the running process: under torchrun for
     nproc > 1; else on the CPU forked from a server that has imported torch (forkserver.py), on a
@@ -106,7 +100,7 @@ def start(args, out_dir, data_dir, nproc=1, launcher=None):
     if nproc == 1 and '--device=cuda' not in args:
         if launcher is not None:  # [python, '-c', WRAPPER]
             cmd = [*launcher[1:], *cmd]
-        return fork_server().start(cmd, HERE, env)
+        return forkserver.server().start(cmd, HERE, env)
     if launcher is None and nproc == 1:
         launcher = [sys.executable]
     if launcher is None:

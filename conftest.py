@@ -89,16 +89,16 @@ def selected(request):
 @pytest.fixture(scope='session', autouse=True)
 def started_early(request, one_thread, selected):
     """{name: (process, what else)}: the runs that each test module's start_early(request, names)
-    starts for the names of its selected tests and fixtures, all before the first test, at the
-    lowest priority: they take the time that the other tests leave a core idle. Those still running
-    when the test run ends are killed."""
+    starts for the names of its selected tests and fixtures, all before the first test: they take
+    the time that the other tests leave a core idle. Those still running when the test run ends,
+    or when one module's start fails, are killed."""
     runs = {}
-    for module, names in selected.items():
-        if hasattr(module, 'start_early'):
-            runs.update(module.start_early(request, names))
-    for process, _ in runs.values():
-        os.setpriority(os.PRIO_PROCESS, process.pid, 19)
-    yield runs
-    for process, _ in runs.values():
-        process.kill()
-        process.wait()
+    try:
+        for module, names in selected.items():
+            if hasattr(module, 'start_early'):
+                runs.update(module.start_early(request, names))
+        yield runs
+    finally:
+        for process, _ in runs.values():
+            process.kill()
+            process.wait()

@@ -233,7 +233,8 @@ def test_a_bfloat16_run_resumes_in_float16(data_dir, tmp_path):
 
 def start_early(request, names):
     """gpu_check.py --tiny, started before the first test (conftest.py): 13 s on one core, which
-    the rest of the suite overlaps -> {test name: (its process, its out folder)}."""
+    the rest of the suite overlaps; at the usual priority, as its stages have time limits -> {test
+    name: (its process, its out folder)}."""
     name = 'test_gpu_check_runs_end_to_end_in_tiny_mode_on_the_cpu'
     if name not in names:
         return {}

@@ -16,13 +16,13 @@ import functools
 import gc
 import json
 import os
-import runpy
 import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import types
 
 
 def serve():
@@ -42,7 +42,9 @@ def serve():
         if 0 not in readable:
             continue
         data = os.read(0, 65536)
-        if not data:
+        if not data:  # the tests have ended: so do their runs, as with a pipe nobody reads
+            for pid in ids:
+                os.kill(pid, signal.SIGKILL)
             return None
         pending += data
         while b'\n' in pending:
@@ -72,7 +74,8 @@ def answer(message):
 
 
 def start_run(request):
-    """In the child: what `python ARGV` does before it runs the script or the code."""
+    """In the child: what `python ARGV` does before it runs the script or the code -> a new
+    __main__ module and the code to run in it."""
     streams = [os.open(os.devnull, os.O_RDONLY)]
     for name in ('stdout', 'stderr'):
         streams.append(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
@@ -82,14 +85,21 @@ def start_run(request):
     os.chdir(request['cwd'])
     os.environ.clear()
     os.environ.update(request['env'])
+    numpy.random.seed()  # its own global state, as a new process draws (hash(): the server's seed)
+    main = types.ModuleType('__main__')
+    sys.modules['__main__'] = main  # what pickle and `import __main__` find
     argv = request['argv']
     if argv[0] == '-c':
         sys.argv = ['-c', *argv[2:]]
         sys.path[0] = ''
-        return compile(argv[1], '<string>', 'exec')
+        return main, compile(argv[1], '<string>', 'exec')
+    assert not argv[0].startswith('-'), f'{argv[0]}: only SCRIPT or -c CODE'
     sys.argv = argv
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-    return None
+    path = os.path.abspath(argv[0])
+    sys.path[0] = os.path.dirname(path)
+    main.__file__ = path  # absolute, as Python gives it
+    with open(path, 'rb') as f:
+        return main, compile(f.read(), path, 'exec')
 
 
 class Run:
@@ -121,7 +131,10 @@ class Run:
 
     def send_signal(self, signum):
         if self.returncode is None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # ended, and the server has not said so yet
+                pass
 
     def kill(self):
         self.send_signal(signal.SIGKILL)
@@ -149,6 +162,12 @@ class ForkServer:
             else:
                 run.returncode = message['returncode']
                 run.ended.set()
+        # The server has ended (killed, or out of memory): so have the runs it did not answer for.
+        for run in self.runs.values():
+            if not run.ended.is_set():
+                run.returncode = -signal.SIGKILL
+                run.started.set()
+                run.ended.set()
 
     def start(self, argv, cwd, env):
         """`python ARGV` (ARGV: SCRIPT ARGS, or -c CODE ARGS), started -> its Run."""
@@ -163,7 +182,7 @@ class ForkServer:
                        'stderr': err}
             self.process.stdin.write((json.dumps(request) + '\n').encode())
             self.process.stdin.flush()
-        assert run.started.wait(60), 'the fork server did not start the run'
+        assert run.started.wait(60) and run.pid, 'the fork server did not start the run'
         return run
 
 
@@ -174,7 +193,7 @@ def server():
 
 
 if __name__ == '__main__':
-    import numpy  # noqa: F401  (what the runs import, once)
+    import numpy  # what the runs import, once; start_run reseeds its generator
     import sacrebleu  # noqa: F401
     import tiktoken  # noqa: F401
     import torch  # noqa: F401
@@ -182,8 +201,5 @@ if __name__ == '__main__':
     gc.freeze()  # the runs' garbage collections, and their ends, skip these modules' objects
     request = serve()
     if request is not None:
-        code = start_run(request)
-        if code is None:
-            runpy.run_path(sys.argv[0], run_name='__main__')
-        else:
-            exec(code, {'__name__': '__main__'})
+        main, code = start_run(request)
+        exec(code, main.__dict__)

@@ -1,6 +1,6 @@
 """forkserver.py's runs, as tests/test_train.py's one-process runs are, against new processes of
-the same command: the same argv, sys.path[0], working folder, environment, output and exit
-status."""
+the same command: the same argv, sys.path[0], __file__, working folder, environment, output and
+exit status."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,8 @@ import forkserver
 CODE = '''
 import atexit, os, signal, sys
 atexit.register(print, 'at exit')
-print(sys.argv, sys.path[0], os.getcwd(), os.environ['SETTING'], sys.stdin.read())
+print(sys.argv, sys.path[0], os.getcwd(), os.environ['SETTING'], sys.stdin.read(),
+      globals().get('__file__'))
 if sys.argv[1] == 'raise':
     raise ValueError('an error')
 if sys.argv[1] == 'exit':

@@ -97,8 +97,9 @@ def start(args, out_dir, data_dir, nproc=1, launcher=None):
     GPU (dev/test_gpu.py) a new process, as the GPU check runs it."""
     cmd = ['train.py', *TINY, f'--data_dir={data_dir}', f'--out_dir={out_dir}', *args]
     env = dict(os.environ, OMP_NUM_THREADS='1')
-    if nproc == 1 and '--device=cuda' not in args:
-        if launcher is not None:  # [python, '-c', WRAPPER]
+    on_gpu = any(arg.startswith('--device=cuda') for arg in args)
+    if nproc == 1 and not on_gpu:
+        if launcher is not None:  # a wrapper, [python, '-c', WRAPPER]: -c WRAPPER train.py ...
             cmd = [*launcher[1:], *cmd]
         return forkserver.server().start(cmd, HERE, env)
     if launcher is None and nproc == 1:

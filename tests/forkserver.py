@@ -6,8 +6,8 @@ still a process of its own, started as Python starts a script (sys.argv, sys.pat
 folder, the environment, stdin from /dev/null, stdout and stderr to files), that ends as Python
 ends one (an uncaught error's traceback, sys.exit's message, atexit, the exit status). Only
 torch, numpy and the like are imported before the fork: the project's modules are imported by the
-run, as in a new process. The environment in effect when torch was imported is the server's
-(OMP_NUM_THREADS=1 for the tests' runs).
+run, as in a new process. What the server's imports read (OMP_NUM_THREADS=1 for the tests' runs,
+PYTHONHASHSEED) and print (once, to the test run's stderr) is the server's.
 
 The server reads one JSON line per run from stdin and answers on stdout with {'id', 'pid'} as it
 starts the run and {'id', 'returncode'} as it ends.

@@ -81,7 +81,7 @@ master_weights = False  # steps on a copy in dtype, Adam on float32 (fairseq's -
 checkpoint_activations = False  # backward recomputes each layer: less memory
 seed = 1337
 max_bad_steps = 20     # non-finite updates in a row before giving up
-ddp_timeout_minutes = 60.0  # a rank's wait in a collective
+ddp_timeout_minutes = 60.0  # a rank's wait in a collective (NCCL's default, 10, is short)
 # -----------------------------------------------------------------------------------------------
 # the configurator: a config file, then --key=value, override the settings above
 config_keys = [k for k, v in globals().items()
@@ -330,8 +330,8 @@ while step < max_steps:
     if clip_grad > 0:
         max_norm = clip_grad
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
-    # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does
-    # (model.configure_optimizer).
+    # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does: the
+    # fused optimizer reads found_inf (model.configure_optimizer).
     bad = ~torch.isfinite(grad_norm)
     optimizer.found_inf = bad.float()
     scaler.step(optimizer)

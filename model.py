@@ -1,5 +1,5 @@
 """
-The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), in the paper's order:
+The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), in this order:
 configuration (Table 3), positions (3.5), attention (3.2), the feed-forward network (3.3),
 residual sub-layers and the encoder and decoder layers (3.1), the Transformer with shared
 embeddings (3.1, 3.4); then training: the label-smoothed loss (5.4) and the optimizer (5.3);
@@ -150,7 +150,7 @@ class FeedForward(nn.Module):
 
 def residual(x, sublayer, norm, dropout, pre_norm):
     # Section 3.1 and 5.4: dropout on the sub-layer's output, then LayerNorm(x + Sublayer(x)) (the
-    # paper's post-norm), or x + Sublayer(LayerNorm(x)) (pre-norm: needs less warmup).
+    # paper's post-norm), or x + Sublayer(LayerNorm(x)) (pre-norm: less warmup, Xiong et al. 2020).
     if pre_norm:
         return x + dropout(sublayer(norm(x)))
     return norm(x + dropout(sublayer(x)))
@@ -226,7 +226,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.register_buffer('pe', sinusoidal_positions(cfg.max_len, cfg.d_model), persistent=False)
         if cfg.positions == 'learned':
-            # Table 3 row (E): a learned table in place of the sinusoids, drawn as the embeddings
+            # Table 3 row (E): a learned table in place of the sinusoids, drawn with the embeddings'
+            # std (it is not scaled by sqrt(d_model) as they are)
             self.pe = nn.Parameter(torch.randn_like(self.pe) * cfg.d_model ** -0.5)
         self.dropout = nn.Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
@@ -385,9 +386,10 @@ def label_smoothed_loss(x, weight, target, eps=0.1, chunk_fn=loss_chunk, element
 
 
 def configure_optimizer(model, lr, betas, eps, weight_decay):
-    """Section 5.3's Adam with decoupled weight decay (AdamW, Loshchilov & Hutter 2019) on the
-    matrices alone, as nanoGPT's: gains and biases are not decayed. Fused (CPU and GPU): the update
-    reads a found_inf flag on the device, so skipping a non-finite step needs no host sync."""
+    """Section 5.3's Adam. weight_decay > 0 (not the paper's) decays as AdamW (Loshchilov & Hutter
+    2019) the matrices alone, as nanoGPT's: gains and biases are not decayed. Fused (CPU and GPU):
+    the update reads a found_inf flag on the device, so skipping a non-finite step needs no host
+    sync."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     groups = [{'params': matrices}, {'params': vectors, 'weight_decay': 0.0}]

@@ -133,14 +133,20 @@ def exit_stopped(step, out_dir, master):
 
 
 def one_line_on_failure(kind, error, traceback):
-    """One line, not a traceback, for a stop before the first step and, under torchrun, for a rank
-    that died or left, which ends the others' next collective with an error (the saves are
-    atomic, so nothing is half-written)."""
+    """One line, not a traceback, for a stop before the first step, for running out of GPU memory
+    anywhere (a step, Adam's first, an evaluation) and, under torchrun, for a rank that died or
+    left, which ends the others' next collective with an error (the saves are atomic, so nothing
+    is half-written)."""
     if kind is KeyboardInterrupt:
         print("train.py: interrupted before the first step; the same command starts it again",
               file=sys.stderr)
         exit_now(1)
     message = str(error)
+    if isinstance(error, torch.OutOfMemoryError):
+        print(f"train.py: out of GPU memory ({message.strip().splitlines()[0][:200]}): lower "
+              f"max_tokens and raise update_freq to keep the tokens per update, or set "
+              f"checkpoint_activations=True", file=sys.stderr)
+        exit_now(1)
     lost = isinstance(error, dist.DistError) or 'gloo' in message or 'NCCL' in message
     if not dist.is_initialized() or not isinstance(error, RuntimeError) or not lost:
         sys.__excepthook__(kind, error, traceback)

@@ -85,13 +85,6 @@ def check_heads(cfg, cuda_graphs):
     return None
 
 
-def out_of_memory(max_tokens):
-    """What to change when a training step runs out of GPU memory."""
-    return (f"CUDA out of memory at max_tokens={max_tokens}: lower max_tokens and raise "
-            f"update_freq to keep the same tokens per update, or recompute with "
-            f"checkpoint_activations=True")
-
-
 def graph_length(longest_pair, max_len):
     """The longest sentence a packed row holds: the longest pair's size rounded up to a power of 2
     (few shapes, few graphs), at most max_len."""

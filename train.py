@@ -303,24 +303,21 @@ while step < max_steps:
     lr_now = get_lr(step, clock)
     for group in optimizer.param_groups:
         group['lr'] = lr_now
-    try:
-        for micro, (src, tgt_in, rows, targets, *sides) in enumerate(micro_batches):
-            if ddp and not cuda_graphs:  # as nanoGPT: all-reduce on the last micro-step only
-                model.require_backward_grad_sync = micro == update_freq - 1
-            targets = targets.to(device)  # a packed batch's are on the host
-            with step_context:
-                # x: the decoder's states at the real target tokens; the loss projects them with
-                # the shared embedding (section 3.4).
-                x = model(src, tgt_in, rows, *sides)
-                loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
-                                                  label_smoothing, chunk_fn)
-            # loss: this micro-batch's sum. Over the update's tokens on every rank, the mean;
-            # DDP averages the gradients over the ranks, so times world.
-            scaler.scale(loss * world / ntok_update).backward()
-            sums['loss'] += loss.detach()
-            sums['nll'] += nll
-    except torch.cuda.OutOfMemoryError:
-        sys.exit(speed.out_of_memory(max_tokens))
+    for micro, (src, tgt_in, rows, targets, *sides) in enumerate(micro_batches):
+        if ddp and not cuda_graphs:  # as nanoGPT: all-reduce on the last micro-step only
+            model.require_backward_grad_sync = micro == update_freq - 1
+        targets = targets.to(device)  # a packed batch's are on the host
+        with step_context:
+            # x: the decoder's states at the real target tokens; the loss projects them with the
+            # shared embedding (section 3.4).
+            x = model(src, tgt_in, rows, *sides)
+            loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
+                                              label_smoothing, chunk_fn)
+        # loss: this micro-batch's sum. Over the update's tokens on every rank, the mean; DDP
+        # averages the gradients over the ranks, so times world.
+        scaler.scale(loss * world / ntok_update).backward()
+        sums['loss'] += loss.detach()
+        sums['nll'] += nll
     if ddp and cuda_graphs:  # DDP's hooks see no graph replay
         speed.all_reduce_grads(train_model)
     if master_weights:  # the float32 model takes the copy's gradients

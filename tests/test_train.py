@@ -315,8 +315,10 @@ def test_resume_is_exact(run, data_dir, tmp_path):
     train(args, out, data_dir)
     assert losses(out) == losses(run[0])
     assert_same_params(params(out, 'ckpt_0000006.pt'), params(run[0], 'ckpt_0000006.pt'))
-    # The step-3 snapshot was written.
+    # The step-3 snapshot was written, with a snapshot's keys.
     assert_same_params(params(out, 'ckpt.pt'), params(run[0], 'ckpt.pt'))
+    written = torch.load(os.path.join(run[0], 'ckpt_0000003.pt'), weights_only=False)
+    assert torch.load(out / 'ckpt_0000003.pt', weights_only=False).keys() == written.keys()
 
 
 def test_activation_checkpointing_trains_the_same_steps(run, solo):
@@ -1029,6 +1031,20 @@ def test_an_error_of_one_process_keeps_its_traceback_whatever_it_says(monkeypatc
     monkeypatch.setattr(cluster, 'exit_now', seen.append)
     cluster.one_line_on_failure(RuntimeError, RuntimeError('gloo: an error of its own'), None)
     assert seen == [RuntimeError]
+
+
+def test_out_of_gpu_memory_anywhere_is_one_line_with_what_to_change(monkeypatch, capsys):
+    # Adam's first step and an evaluation run out of memory too, not only a forward and backward.
+    monkeypatch.setattr(sys, '__excepthook__', lambda kind, error, tb: print('traceback'))
+    monkeypatch.setattr(cluster, 'exit_now', sys.exit)
+    error = torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB\nmore')
+    with pytest.raises(SystemExit) as stopped:
+        cluster.one_line_on_failure(type(error), error, None)
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert 'Tried to allocate 2.00 GiB' in err
+    assert 'lower max_tokens' in err
+    assert err.count('\n') == 1
 
 
 def test_a_stop_before_the_first_step_is_one_line(data_dir, tmp_path):

@@ -295,10 +295,15 @@ def model_config(state, fine_tuned_from, config, meta, tokenizer_size, log):
     return cfg
 
 
+# What train.py's training state holds beyond a weights snapshot's keys
+TRAINING_KEYS = ('optimizer', 'scaler', 'epoch', 'rng', 'next_batch', 'best_bleu', 'elapsed',
+                 'train_split')
+
+
 def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_type, log):
-    """Put a training state's optimizer, loss scaler and random generators back, and clear what a
-    killed run left in out_dir (partial saves, the log past the state). -> its step, epoch, next
-    batch, training seconds and best validation BLEU."""
+    """Put a training state's optimizer, loss scaler and random generators back, and mend what a
+    killed run left in out_dir (partial saves, the log past the state, a missing snapshot). -> its
+    step, epoch, next batch, training seconds and best validation BLEU."""
     step = state['step']
     load_optimizer_state(optimizer, state, path)
     if state['scaler'] and scaler.is_enabled():  # else the scaler is off and its state empty
@@ -310,6 +315,11 @@ def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_ty
     if rank == 0:
         remove_partial_saves(out_dir)
         trim_log(out_dir, step)
+        # Killed between the state and its weights snapshot: averaging needs the snapshot.
+        snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
+        if not os.path.exists(snapshot):
+            weights = {key: value for key, value in state.items() if key not in TRAINING_KEYS}
+            save_atomic(weights, snapshot)
     best_bleu = max(state['best_bleu'], best_bleu_in(out_dir))
     return step, state['epoch'], state['next_batch'], state['elapsed'], best_bleu
 

@@ -28,7 +28,7 @@ import speed
 
 _t_process = time.time()  # '_': not a setting
 
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # I/O
 data_dir = 'data/multi30k_en_de'
 out_dir = 'out/multi30k_en_de'
@@ -43,7 +43,7 @@ save_interval = 1000   # checkpoint every N steps ...
 save_minutes = 0.0     # ... and/or every N minutes (the paper: every 10 minutes)
 keep_last = 5          # ckpt_STEP.pt weight snapshots kept, for averaging
 keep_state = 1         # state_STEP.pt training states kept, for resuming
-average_last = 5       # ckpt.pt: their average (section 6.1: 5 for base, 20 for big)
+average_last = 5       # ckpt.pt: their average (section 6.1: 5 for base, 20 for big), <= keep_last
 # model (Table 3, base)
 n_enc_layers = 6       # N
 n_dec_layers = 6
@@ -60,7 +60,7 @@ positions = 'sinusoidal'  # or 'learned': Table 3 row (E)
 max_tokens = 4096      # padded source or target tokens per GPU per micro-step
 update_freq = 1        # micro-steps per update: N GPUs ~ 1 GPU with update_freq N
 max_steps = 100000
-max_minutes = 0.0      # also stop after this much training time, resumes included (0: no limit)
+max_minutes = 0.0      # stop after this much time in the loop, resumes included (0: no limit)
 schedule = 'noam'      # the paper's; or 'inverse_sqrt' (fairseq's), 'constant'
 lr = 5e-4              # the peak of 'inverse_sqrt' and 'constant'
 lr_scale = 1.0         # on 'noam'
@@ -80,9 +80,9 @@ cuda_graphs = False    # GPU: packed rows of a fixed size, steps replayed as CUD
 master_weights = False  # steps on a copy in dtype, Adam on float32 (fairseq's --bf16)
 checkpoint_activations = False  # backward recomputes each layer: less memory
 seed = 1337
-max_bad_steps = 20     # non-finite updates in a row before giving up
+max_bad_steps = 20     # non-finite updates in a row before giving up (seen at log steps)
 ddp_timeout_minutes = 60.0  # a rank's wait in a collective (NCCL's default, 10, is short)
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # the configurator: a config file, then --key=value, override the settings above
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -90,9 +90,9 @@ defaults = {k: globals()[k] for k in config_keys}
 config = configurator.override(dict(defaults), sys.argv[1:])
 globals().update(config)
 configurator.check_ranges(config)
-given_config = dict(config)  # as the command gives them: the same command continues its run
+given_config = dict(config)  # before fine-tuning changes config: the same command continues its run
 
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # processes, device and precision
 master = int(os.environ.get('RANK', 0)) == 0  # rank 0 speaks and writes for all
 
@@ -119,7 +119,7 @@ autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != '
 # start: init_from, 'auto' resolved by what out_dir holds
 start, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # data: the token files data_prep.py writes
 # tokenizer: its description, saved in each checkpoint; enc: its tiktoken encoding
 meta, tokenizer, enc, valid_ref = dataset.open_prepared(data_dir)
@@ -127,11 +127,11 @@ PAD, BOS, EOS = meta['pad_id'], meta['bos_id'], meta['eos_id']
 train_data = dataset.load_split(data_dir, 'train')
 valid_data = dataset.load_split(data_dir, 'valid')
 
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # model and optimizer, from scratch or from the state to resume or the checkpoint to fine-tune
 state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir, config, meta,
                                                               tokenizer, log)
-# Fine-tuning keeps the checkpoint's architecture, and config takes it.
+# Fine-tuning keeps the checkpoint's architecture: read it from model_cfg, not the settings.
 model_cfg = checkpoint.model_config(state, fine_tuned_from, config, meta, enc.n_vocab, log)
 problem = speed.check_heads(model_cfg, cuda_graphs)
 if problem:
@@ -186,7 +186,7 @@ batches = dataset.prefetched(this_ranks_batches(updates))  # a thread makes them
 if start != 'resume' and run_files:
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # the speed paths (docs/performance.md). raw_model: the float32 weights Adam steps; train_model:
 # what the steps run (a bf16 copy with master_weights); model: how it is called
 train_model, chunk_fn = speed.training_model(raw_model, ddp, master_weights, dtype,
@@ -277,12 +277,7 @@ def save_snapshots():
         dist.barrier()  # every rank reads them at the end
 
 
-if start == 'resume' and master:  # killed between a state and its snapshot
-    snapshot = os.path.join(out_dir, f'ckpt_{step:07d}.pt')
-    if not os.path.exists(snapshot):
-        save(snapshot)
-
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # training loop
 log(json.dumps(config, indent=1))
 log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es) x update_freq "
@@ -323,9 +318,8 @@ while step < max_steps:
     if master_weights:  # the float32 model takes the copy's gradients
         speed.gradients_to_master(raw_model, train_model)
     scaler.unscale_(optimizer)
-    max_norm = math.inf  # the norm is taken anyway: the log shows it, it finds non-finite steps
-    if clip_grad > 0:
-        max_norm = clip_grad
+    # the norm is taken anyway: the log shows it, and it finds non-finite updates
+    max_norm = clip_grad if clip_grad > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
     # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does: the
     # fused optimizer reads found_inf (model.configure_optimizer).
@@ -366,10 +360,10 @@ while step < max_steps:
         last_save = clock
     if stop_asked:
         cluster.exit_stopped(step, out_dir, master)
-    if step % log_interval == 0:  # tokens/s without evaluation and saving
+    if step % log_interval == 0:  # tokens/s leave out a log step's evaluation and saving
         t_last = time.time()
 
-# -----------------------------------------------------------------------------------------------
+# -----------------------------------------------------------------------------
 # Section 6.1: the reported models average the last checkpoints
 newest = checkpoint.checkpoints(out_dir)[-average_last:]
 raw_model.load_state_dict(checkpoint.average_checkpoints(newest))

@@ -98,7 +98,7 @@ class MultiHeadAttention(nn.Module):
                                                dropout_p=dropout_p)
         else:  # each sentence of the packed rows attends within itself (speed.attend)
             queries, keys = packed
-            y = queries.attend(q, k, v, queries, keys, causal, dropout_p)
+            y = queries.attend(q, k, v, keys, causal, dropout_p)
         y = y.transpose(1, 2).reshape(*x.shape[:-1], -1)  # Concat(head_1, ..., head_h)
         return self.out_proj(y)
 

@@ -279,8 +279,10 @@ class Packed(NamedTuple):
     cu: torch.Tensor   # (sentences + 1,) int32: sentence i is the tokens cu[i]:cu[i + 1]
     pos: torch.Tensor  # each token's position in its sentence (section 3.5)
     max_len: int       # the longest sentence, or a bound on it
-    # model.py calls queries.attend(q, k, v, queries, keys, causal, dropout_p)
-    attend = staticmethod(attend)
+
+    def attend(self, q, k, v, keys, causal, dropout_p):
+        """model.py's hook: these queries' sentences attend to their keys' (speed.attend)."""
+        return attend(q, k, v, self, keys, causal, dropout_p)
 
     def to(self, device):
         return self._replace(cu=self.cu.to(device), pos=self.pos.to(device))

@@ -144,6 +144,12 @@ def settings_differ(path, given, defaults):
     state = read_checkpoint(path, keys=('config',), mmap=True)
     saved = state.get('given_config', state['config'])
     differ = []
+    # A checkpoint to fine-tune: the run goes on only if it was fine-tuned from that one.
+    init_from = given['init_from']
+    tuned_from = state.get('fine_tuned_from')
+    if init_from not in ('auto', 'resume') and not same_file(init_from, tuned_from):
+        was = tuned_from or 'scratch'
+        differ.append(f"init_from={init_from!r} (the run's: {was!r})")
     for key, value in given.items():
         if key in ('init_from', 'overwrite', 'out_dir'):  # out_dir: the folder looked in
             continue
@@ -151,6 +157,15 @@ def settings_differ(path, given, defaults):
         if value != was:
             differ.append(f"{key}={value!r} (the run's: {was!r})")
     return differ
+
+
+def same_file(path, other):
+    """Whether two paths name one file: the same string, or where both exist, one file."""
+    if path == other:
+        return True
+    if other is None or not os.path.exists(path) or not os.path.exists(other):
+        return False
+    return os.path.samefile(path, other)
 
 
 def trim_log(out_dir, step, final=False):

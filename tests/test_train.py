@@ -1073,6 +1073,26 @@ def test_the_same_command_continues_a_finished_run_and_keeps_its_log(run, data_d
     assert records(out, 'valid_loss') == records(run[0], 'valid_loss')  # evaluated once
 
 
+def test_a_fine_tune_command_continues_only_a_run_fine_tuned_from_its_checkpoint(run, data_dir,
+                                                                                tmp_path):
+    # A run from scratch of the same settings is not the fine-tune's run, nor is a typo's.
+    out = copy_run(run, tmp_path)
+    typo = shutil.copytree(out, tmp_path / 'typo')
+    other = tmp_path / 'other.pt'
+    shutil.copy(out / 'ckpt.pt', other)
+    args = SHARED['run'][0]
+    errs = refused((args + [f'--init_from={other}'], out, data_dir),
+                   (args + ['--init_from=resum'], typo, data_dir))
+    assert f"init_from='{other}' (the run's: 'scratch')" in errs[0]
+    assert "init_from='resum'" in errs[1]
+    assert len(records(out, 'loss')) == 6
+    # The fine-tune command rerun goes on from its run's state.
+    tuned = tmp_path / 'tuned'
+    train(['--max_steps=1', f'--init_from={other}'], tuned, data_dir)
+    res = train(['--max_steps=1', f'--init_from={other}'], tuned, data_dir)
+    assert 'resuming from' in res.stdout
+
+
 def test_sigterm_to_one_rank_saves_both_at_one_step_and_the_same_command_goes_on(two, data_dir,
                                                                                stopped):
     out, res, _ = stopped['sigterm']

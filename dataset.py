@@ -73,6 +73,10 @@ def open_prepared(data_dir):
         enc = load_tokenizer(tokenizer)
         with open(os.path.join(data_dir, f"valid.{meta['tgt']}.txt"), encoding='utf-8') as f:
             valid_ref = f.read().splitlines()
+        pairs = meta['splits']['valid']['pairs']
+        if len(valid_ref) != pairs:  # validation BLEU pairs them line by line
+            raise ValueError(f"valid.{meta['tgt']}.txt has {len(valid_ref)} lines, valid "
+                             f"{pairs} pairs")
     except (OSError, ValueError, KeyError, TypeError) as e:
         sys.exit(f"error: {data_dir} is incomplete or damaged ({type(e).__name__}: {e}): "
                  f"prepare it again")

@@ -812,6 +812,18 @@ def test_ids_past_the_vocabulary_or_meta_without_its_keys_are_refused_on_loading
         assert f'{out} is incomplete or damaged' in str(e.value)
 
 
+def test_validation_references_of_another_length_are_refused_on_loading(corpus):
+    # Else validation BLEU pairs the wrong lines and picks ckpt_best.pt by it.
+    out = corpus / 'o'
+    data_prep.main(custom_args(corpus, out))
+    dataset.open_prepared(str(out))
+    refs = out / 'valid.yy.txt'
+    refs.write_text(''.join(refs.read_text().splitlines(keepends=True)[:2]))
+    with pytest.raises(SystemExit) as e:
+        dataset.open_prepared(str(out))
+    assert 'valid.yy.txt has 2 lines' in str(e.value)
+
+
 @pytest.mark.parametrize('args, flag', [
     (['custom', '--src', 'x', '--tgt', 'x', '--train', 'a', '--valid', 'b', '--test', 'c'],
      '--src and'),

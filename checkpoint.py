@@ -71,8 +71,14 @@ def stop_on_signals():
 
 
 def save_atomic(obj, path):
-    with atomic(path) as f:
-        torch.save(obj, f)
+    """torch.save, whole or not at all; a failed write is one line."""
+    try:
+        with atomic(path) as f:
+            torch.save(obj, f)
+    except OSError as e:  # a missing or read-only folder, a full disk
+        fail(f"cannot write {path}: {e.strerror or e}")
+    except RuntimeError as e:  # torch's zip writer reports a short write (a full disk) this way
+        fail(f"cannot write {path} (a full disk?): {str(e).strip().splitlines()[0]}")
 
 
 def write_json(path, obj):

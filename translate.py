@@ -254,10 +254,7 @@ def save_average(model, ckpt, paths, path):
     keep = {k: ckpt[k] for k in ('model_cfg', 'step', 'config', 'data_dir') if k in ckpt}
     keep['tokenizer'] = checkpoint.checkpoint_tokenizer(paths[-1], ckpt)
     keep['averaged'] = [os.path.basename(q) for q in paths]
-    try:
-        checkpoint.save_atomic({'model': model.state_dict(), **keep}, path)
-    except OSError as e:  # a missing or read-only folder
-        fail(f"--save-average {path}: {e.strerror}")
+    checkpoint.save_atomic({'model': model.state_dict(), **keep}, path)
 
 
 def load_model(args, ct2):

@@ -864,6 +864,26 @@ def test_atomic_writes_leave_the_old_file_when_interrupted(tmp_path):
     assert (tmp_path / 'f.json').read_text() == 'old'
     assert sorted(os.listdir(tmp_path)) == ['f.json', 'g.json']
 
+@pytest.mark.parametrize('error', [OSError(28, 'No space left on device'),
+                                   RuntimeError('[enforce fail at inline_container.cc:672] . '
+                                                'unexpected pos 64 vs 0')])
+def test_a_checkpoint_save_that_fails_midway_is_one_line_and_keeps_the_old_file(
+        tmp_path, monkeypatch, error):
+    # A full disk: torch's writer raises either, by how far the write got.
+    def save(obj, f):
+        f.write(b'half')
+        raise error
+
+    (tmp_path / 'ckpt.pt').write_text('old')
+    monkeypatch.setattr(checkpoint.torch, 'save', save)
+    with pytest.raises(SystemExit) as e:
+        checkpoint.save_atomic({}, str(tmp_path / 'ckpt.pt'))
+    assert f"cannot write {tmp_path / 'ckpt.pt'}" in str(e.value)
+    assert '\n' not in str(e.value)
+    assert os.listdir(tmp_path) == ['ckpt.pt']
+    assert (tmp_path / 'ckpt.pt').read_text() == 'old'
+
+
 # -----------------------------------------------------------------------------------------------
 # batching
 

@@ -19,8 +19,10 @@ import itertools
 import json
 import os
 import re
+import shutil
 import sys
 import tarfile
+import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -105,8 +107,9 @@ RETRY_WAIT = 2.0  # seconds before the first retry of a download, doubled each t
 # What str.splitlines() breaks a line at
 LINE_BREAKS = re.compile('[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]')
 SEG = re.compile(r'\s*<seg[^>]*>(.*)</seg>')  # a sentence of an SGM file
-# What a run writes into --out: meta.json, and the temporary files a killed run leaves behind.
-OUR_FILES = re.compile(r'meta\.json|((train|valid|test)\.[^.]+\.(bin|idx|txt)|\w+\.json)\.\w+\.tmp')
+# What a killed run leaves in --out: its folder of new files, or (before it had one) temporaries.
+LEFTOVERS = re.compile(r'\.preparing\.\w+'
+                       r'|((train|valid|test)\.[^.]+\.(bin|idx|txt)|\w+\.json)\.\w+\.tmp')
 
 # -----------------------------------------------------------------------------------------------
 # download
@@ -533,12 +536,33 @@ def bpe_texts(files, expect, vocab_size, t0):
 
 
 def write_folder(args, files, settings, given, vocab_size):
-    """Learn (or take) the BPE and write out's tokenizer, token files and meta.json -> meta."""
-    out = args.out
-    # meta.json marks a finished folder: it goes first; so do a killed run's leftovers.
-    for name in os.listdir(out):
-        if OUR_FILES.fullmatch(name):
-            os.remove(os.path.join(out, name))
+    """Learn (or take) the BPE and write out's tokenizer, token files and meta.json -> meta. They
+    are written into a folder of their own in out and moved into place once all are: a run that
+    fails or is stopped midway leaves out's old data as it was."""
+    for name in os.listdir(args.out):
+        path = os.path.join(args.out, name)
+        if LEFTOVERS.fullmatch(name) and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif LEFTOVERS.fullmatch(name):
+            os.remove(path)
+    new = tempfile.mkdtemp(prefix='.preparing.', dir=args.out)
+    try:
+        meta = write_files(args, new, files, settings, given, vocab_size)
+        # meta.json marks a finished folder: the old one goes first, the new one comes last
+        old_meta = os.path.join(args.out, 'meta.json')
+        if os.path.exists(old_meta):
+            os.remove(old_meta)
+        for name in sorted(os.listdir(new), key=lambda name: name == 'meta.json'):
+            os.replace(os.path.join(new, name), os.path.join(args.out, name))
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+    pairs = meta['splits']['train']['pairs']
+    print(f'wrote {args.out} in {meta["seconds"]:.1f}s: vocab {meta["vocab_size"]}, {pairs} pairs')
+    return meta
+
+
+def write_files(args, out, files, settings, given, vocab_size):
+    """write_folder's files, into out -> meta."""
     os.environ.setdefault('RAYON_NUM_THREADS', str(args.workers))  # rustbpe's thread pool
     expect = dict(LINES)  # WMT14's published counts: a member of another is named before the BPE
     list(read_pairs(files['valid'] + files['test'], expect))  # so is a missing or short one
@@ -568,7 +592,7 @@ def write_folder(args, files, settings, given, vocab_size):
                          'tgt_tokens': s['tokens'][1]}
     specials = tok['special_tokens']
     meta = {
-        'name': os.path.basename(os.path.normpath(out)),
+        'name': os.path.basename(os.path.normpath(args.out)),
         'src': args.src,
         'tgt': args.tgt,
         'vocab_size': enc.n_vocab,
@@ -585,10 +609,7 @@ def write_folder(args, files, settings, given, vocab_size):
         'seconds': round(time.time() - t0, 2),
         'settings': settings,
     }
-    # last: its presence says the folder is complete
     checkpoint.write_json(os.path.join(out, 'meta.json'), meta)
-    pairs = splits['train']['pairs']
-    print(f'wrote {out} in {meta["seconds"]:.1f}s: vocab {enc.n_vocab}, {pairs} pairs')
     return meta
 
 

@@ -715,6 +715,28 @@ def test_a_killed_run_leaves_nothing_finished_looking_and_reruns_to_the_same_byt
     assert contents(corpus / 'out') == contents(corpus / 'fresh')
 
 
+def test_a_failed_or_stopped_preparation_leaves_the_old_folder_as_it_was(corpus, monkeypatch):
+    # Else a folder runs were trained on is neither the old data nor the new.
+    out = corpus / 'out'
+    data_prep.main(custom_args(corpus, out))
+    before = contents(out)
+    meta = (out / 'meta.json').read_bytes()
+    real = data_prep.encode_lines
+    calls = []
+
+    def dying(*args):  # the other settings' train, then stopped while encoding valid
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(data_prep, 'encode_lines', dying)
+    with pytest.raises(KeyboardInterrupt):
+        data_prep.main(custom_args(corpus, out, '--max-len', '9'))
+    assert contents(out) == before
+    assert (out / 'meta.json').read_bytes() == meta
+
+
 def test_a_full_disk_is_a_one_line_error_that_leaves_no_temporary_files(corpus, monkeypatch):
     real = os.fsync
     calls = []
@@ -729,7 +751,7 @@ def test_a_full_disk_is_a_one_line_error_that_leaves_no_temporary_files(corpus, 
     with pytest.raises(SystemExit) as e:
         data_prep.main(custom_args(corpus, corpus / 'o'))
     assert str(e.value) == f"error: writing {corpus / 'o'}: {os.strerror(errno.ENOSPC)}"
-    assert os.listdir(corpus / 'o') == ['tokenizer.json']
+    assert os.listdir(corpus / 'o') == []
 
 
 def test_two_runs_into_one_out_never_mix(corpus, monkeypatch):

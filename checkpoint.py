@@ -280,12 +280,16 @@ def check_resume(state, config, fine_tuned_from, train_split, out_dir):
         was = state['config'].get(key, getattr(M.Config, key, None))
         if config[key] != was:
             changed.append(f"{key}={config[key]!r} (the run's: {was!r})")
-    if state['train_split'] != train_split:
+    if state['train_split'] != train_split and same_file(config['data_dir'], state['data_dir']):
+        changed.append(f"data_dir={config['data_dir']!r} (prepared again since: "
+                       f"{train_split['pairs']} training pairs, the run's: "
+                       f"{state['train_split']['pairs']})")
+    elif state['train_split'] != train_split:
         changed.append(f"data_dir={config['data_dir']!r} (other training pairs than the run's "
                        f"{state['data_dir']!r})")
     if changed:
-        sys.exit(f"init_from='resume' continues {out_dir} as it began, but these settings differ: "
-                 f"{', '.join(changed)}; drop them, or start anew with "
+        sys.exit(f"the run in {out_dir} goes on only as it began, but these differ: "
+                 f"{', '.join(changed)}; give the run's, or start anew from its weights with "
                  f"--init_from={out_dir}/ckpt.pt")
 
 

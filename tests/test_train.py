@@ -592,6 +592,11 @@ def test_resume_on_other_training_data_is_refused_and_on_a_copy_goes_on(resumed,
     check = checkpoint.check_resume
     message = in_process_refusal(check, state, config, None, train_split, str(out))
     assert 'other training pairs' in message and 'data_dir=' in message
+    # In the run's own data_dir: say it was prepared again, not that the setting differs.
+    config['data_dir'] = state['data_dir']
+    message = in_process_refusal(check, state, config, None, train_split, str(out))
+    pairs = (train_split['pairs'], state['train_split']['pairs'])
+    assert "(prepared again since: %d training pairs, the run's: %d)" % pairs in message
 
 
 def test_resume_with_another_number_of_processes_says_dropout_is_reseeded(resumed):

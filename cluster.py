@@ -110,6 +110,25 @@ def catch_stop_signals():
     signal.signal(signal.SIGINT, ask_to_stop)
 
 
+def stop_at_once(when):
+    """After the loop: a stop signal (or one that came since the last step's check) ends the run
+    at once, in one line; the same command averages and evaluates again."""
+    def stop_now(signum, frame):
+        stop['signal'] = signal.Signals(signum).name
+        stopped_at_once(when)
+
+    signal.signal(signal.SIGTERM, stop_now)
+    signal.signal(signal.SIGINT, stop_now)
+    if stop['signal'] is not None:
+        stopped_at_once(when)
+
+
+def stopped_at_once(when):
+    print(f"{stop['signal']}: stopped {when}; the same command does what was left",
+          file=sys.stderr)
+    exit_now(1)
+
+
 def stop_asked(ddp, group):
     """Whether a stop signal reached any rank: every rank agrees on the same step. The flag is a
     host tensor over gloo: no wait for the GPU, and a peer that died makes this raise at once."""

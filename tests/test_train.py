@@ -1052,6 +1052,27 @@ def test_out_of_gpu_memory_anywhere_is_one_line_with_what_to_change(monkeypatch,
     assert err.count('\n') == 1
 
 
+def test_a_stop_signal_after_the_last_step_ends_the_run_at_once_in_one_line(monkeypatch, capsys):
+    # The loop's handlers ignored a signal in the final averaging or evaluation (exit 0), and a
+    # second one ended the run without a word.
+    handlers = {}
+    monkeypatch.setattr(signal, 'signal', handlers.__setitem__)
+    monkeypatch.setattr(cluster, 'exit_now', sys.exit)
+    monkeypatch.setitem(cluster.stop, 'signal', None)
+    when = 'after the last step (6), averaging or evaluating'
+    cluster.stop_at_once(when)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with pytest.raises(SystemExit) as stopped:
+            handlers[sig](sig, None)
+        assert stopped.value.code == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f'{name}: stopped {when}; the same command does what was left'
+                     for name in ('SIGTERM', 'SIGINT')]
+    # A signal that came after the last step's check ends it at once too.
+    with pytest.raises(SystemExit):
+        cluster.stop_at_once(when)
+
+
 def test_a_stop_before_the_first_step_is_one_line(data_dir, tmp_path):
     # SIGTERM while train.py waits for its data (a FIFO meta.json nobody writes)
     data = tmp_path / 'data'

@@ -3,6 +3,7 @@ The configurator of train.py, as nanoGPT's configurator.py: settings are the glo
 config files and --key=value flags override them.
 """
 import ast
+import math
 import os
 import re
 import sys
@@ -95,3 +96,9 @@ def check_ranges(config):
                 sys.exit(f"{key} must be {what}, got {config[key]!r}")
     if not config['d_head'] and config['d_model'] % config['n_heads']:
         sys.exit(f"n_heads must be a divisor of d_model, or d_head set, got {config['n_heads']!r}")
+    for key, value in config.items():
+        if isinstance(value, float) and not math.isfinite(value):  # --lr=1e999 reads as inf
+            sys.exit(f"{key} must be a finite number, got {value!r}")
+    if config['average_last'] > config['keep_last']:  # else fewer are averaged than asked
+        sys.exit(f"average_last must be at most keep_last, the snapshots kept, got "
+                 f"{config['average_last']} > {config['keep_last']}")

@@ -640,7 +640,10 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
     assert 'max_steps must be int' in message
     mistakes = [('--dropout=1.5', 'dropout must be in [0, 1)'),
                 ('--n_heads=3', 'n_heads must be a divisor of d_model'),
-                ('--positions=rotary', "positions must be 'sinusoidal' or 'learned'")]
+                ('--positions=rotary', "positions must be 'sinusoidal' or 'learned'"),
+                ('--lr=1e999', 'lr must be a finite number, got inf'),
+                ('--keep_last=2', 'average_last must be at most keep_last, the snapshots kept, '
+                                  'got 5 > 2')]
     for flag, expected in mistakes:
         config = configurator.override(dict(settings), [*TINY, flag])
         assert expected in in_process_refusal(configurator.check_ranges, config)

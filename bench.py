@@ -431,6 +431,11 @@ def parse_args(argv=None):
         p.error(f"unrecognized arguments: {' '.join(args.translate_args)}")
     if args.translate and not args.input:  # translate.py would wait on standard input
         p.error('--translate needs --input')
+    for name in ('steps', 'decode_sents', 'decode_len', 'beam', 'rounds', 'batch_tokens'):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error('--warmup must be >= 0')
     return args
 
 

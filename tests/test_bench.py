@@ -235,6 +235,15 @@ def test_no_prepared_data_ends_bench_with_one_line_that_says_how_to_prepare_it(t
         assert '\n' not in message
 
 
+@pytest.mark.parametrize('flags', [['--steps', '0'], ['--beam', '0'], ['--warmup', '-1']])
+def test_counts_below_their_range_are_a_usage_error(flags, capsys):
+    # --steps 0 timed nothing and divided by it.
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(flags)
+    assert e.value.code == 2
+    assert f'{flags[0]} must be' in capsys.readouterr().err
+
+
 def test_a_training_config_file_gives_the_model_batch_size_data_dtype_and_settings(tmp_path):
     path = tmp_path / 'recipe.py'
     path.write_text("d_model = 48\nd_ff = 4 * d_model\npre_norm = True\n"

@@ -105,8 +105,10 @@ def load_split(data_dir, split):
         tokens, offsets = sides[2 * i], sides[2 * i + 1]
         if (len(offsets) != n_offsets or len(offsets) == 0 or offsets[0] != 0
                 or offsets[-1] != len(tokens) or (np.diff(offsets) < 0).any()):
-            sys.exit(f'{damaged}.{lang}.idx does not match {split}.{meta["src"]}.idx or the '
-                     f'{len(tokens)} tokens of {split}.{lang}.bin): '
+            against = f'the {len(tokens)} tokens of {split}.{lang}.bin'
+            if lang != meta['src']:  # the target side: also as many sentences as the source
+                against = f'{split}.{meta["src"]}.idx or {against}'
+            sys.exit(f'{damaged}.{lang}.idx does not match {against}): '
                      'prepare it again with data_prep.py')
         # An id past the vocabulary fails the first step (on a GPU, as a device-side assert).
         if len(tokens) and tokens.max() >= meta['vocab_size']:

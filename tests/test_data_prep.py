@@ -812,7 +812,14 @@ def test_a_truncated_token_file_is_refused_by_load_split(corpus):
         f.truncate(10)
     with pytest.raises(SystemExit) as e:
         dataset.load_split(str(corpus / 'o'), 'train')
-    assert 'train.yy.idx does not match' in str(e.value)
+    assert 'train.yy.idx does not match train.xx.idx or the' in str(e.value)
+    # the source side: not "train.xx.idx does not match train.xx.idx"
+    data_prep.main(custom_args(corpus, corpus / 'o', '--force'))
+    with open(corpus / 'o' / 'train.xx.bin', 'r+b') as f:
+        f.truncate(10)
+    with pytest.raises(SystemExit) as e:
+        dataset.load_split(str(corpus / 'o'), 'train')
+    assert 'train.xx.idx does not match the 5 tokens of train.xx.bin' in str(e.value)
 
 
 def test_ids_past_the_vocabulary_or_meta_without_its_keys_are_refused_on_loading(corpus):

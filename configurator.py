@@ -57,7 +57,8 @@ def run_file(path, settings):
     scope = dict(settings)
     try:
         with open(path, encoding='utf-8') as f:
-            exec(compile(f.read(), path, "exec"), scope)
+            tree = compile(f.read(), path, 'exec', ast.PyCF_ONLY_AST)
+        exec(compile(tree, path, 'exec'), scope)
     except Exception as e:
         if isinstance(e, SyntaxError):
             lines = [e.lineno]
@@ -65,6 +66,10 @@ def run_file(path, settings):
             lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
         line = lines[-1] if lines else '?'
         sys.exit(f"config file {path}, line {line}: {type(e).__name__}: {e}")
+    # A file of no assignment sets nothing: a JSON file, say, parses as one dict expression.
+    setters = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)
+    if not any(isinstance(node, setters) for node in ast.walk(tree)):
+        sys.exit(f"config file {path} sets no setting: write Python, one name = value per line")
     return scope
 
 

@@ -791,6 +791,7 @@ def test_a_config_file_reads_the_settings_so_far_may_import_and_yields_to_flags(
         ('d_modle = 64\n', "unknown setting 'd_modle'"),
         ('d_model = 256\nlr = (1e-3\n', 'line 2: SyntaxError'),
         ('d_model = 256\n\nd_ff = 4 * dmodel\n', "line 3: NameError"),
+        ('{"d_model": 64, "lr": 2.0}\n', 'sets no setting'),  # JSON: read as a dict, once silent
     ],
 )
 def test_config_file_mistakes_name_the_file_the_line_and_the_key(tmp_path, text, message):

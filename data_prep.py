@@ -186,6 +186,9 @@ def download(url, path, retries=5):
             print(f'{name}: interrupted at {have} of {total or "?"} bytes ({error}); '
                   f'retry {attempt + 1} of {retries} in {wait:.0f}s', file=sys.stderr)
             time.sleep(wait)
+    if error and not os.path.exists(part):  # not a byte came
+        sys.exit(f'error: downloading {url} failed after {retries + 1} attempts ({error}): '
+                 f'run again to retry')
     if error:
         sys.exit(f'error: downloading {url} failed after {retries + 1} attempts ({error}): '
                  f'{have} of {total or "?"} bytes in {part} (run again to resume)')

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -313,6 +314,19 @@ def test_a_download_that_never_completes_fails_after_its_retries_and_keeps_the_p
     with pytest.raises(SystemExit) as e:
         data_prep.download(server.url + 'blob.bin', str(tmp_path / 'blob.bin'), retries=2)
     assert '3000 of 50000 bytes' in str(e.value) and os.listdir(tmp_path) == ['blob.bin.part']
+
+
+def test_a_download_that_never_connects_says_to_retry_and_names_no_part(tmp_path, monkeypatch):
+    monkeypatch.setenv('NO_PROXY', '127.0.0.1')
+    monkeypatch.setenv('no_proxy', '127.0.0.1')
+    monkeypatch.setattr(data_prep, 'RETRY_WAIT', 0.0)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SystemExit) as e:
+        data_prep.download(f'http://127.0.0.1:{port}/a.gz', str(tmp_path / 'a.gz'), retries=1)
+    assert str(e.value).endswith('run again to retry')
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_missing_file_on_the_server_fails_at_once(server, tmp_path):

@@ -538,16 +538,20 @@ def bpe_texts(files, expect, vocab_size, t0):
     print(f'BPE: read in {time.time() - t0:.0f}s; learning {vocab_size - 256} merges', flush=True)
 
 
-def write_folder(args, files, settings, given, vocab_size):
-    """Learn (or take) the BPE and write out's tokenizer, token files and meta.json -> meta. They
-    are written into a folder of their own in out and moved into place once all are: a run that
-    fails or is stopped midway leaves out's old data as it was."""
-    for name in os.listdir(args.out):
-        path = os.path.join(args.out, name)
+def remove_leftovers(out):
+    """What a killed run left in out (gigabytes for WMT14), also when out is found prepared."""
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
         if LEFTOVERS.fullmatch(name) and os.path.isdir(path):
             shutil.rmtree(path)
         elif LEFTOVERS.fullmatch(name):
             os.remove(path)
+
+
+def write_folder(args, files, settings, given, vocab_size):
+    """Learn (or take) the BPE and write out's tokenizer, token files and meta.json -> meta. They
+    are written into a folder of their own in out and moved into place once all are: a run that
+    fails or is stopped before the renames leaves out's old data as it was."""
     new = tempfile.mkdtemp(prefix='.preparing.', dir=args.out)
     try:
         meta = write_files(args, new, files, settings, given, vocab_size)
@@ -629,6 +633,7 @@ def prepare(args, key):
     settings = settings_of(args, files, vocab_size, given)
     # from the check of meta.json to writing it: one run at a time
     with locked(args.out, 'writing'):
+        remove_leftovers(args.out)
         if not args.force:
             meta = prepared_meta(args.out, settings)
             if meta is not None:

@@ -809,6 +809,11 @@ def test_only_our_own_leftovers_are_removed_from_out(corpus):
         (out / name).write_text('x')
     data_prep.main(custom_args(corpus, out))
     assert [name for name in os.listdir(out) if name.endswith('.tmp')] == ['hyp.de.a1b2c3d4.tmp']
+    # A killed run's folder of new files goes when the folder is found prepared too.
+    (out / '.preparing.k1ll3d').mkdir()
+    (out / '.preparing.k1ll3d' / 'train.xx.bin').write_text('x')
+    data_prep.main(custom_args(corpus, out))
+    assert not [name for name in os.listdir(out) if name.startswith('.preparing')]
 
 
 def test_a_split_side_of_empty_lines_loads_as_empty_sentences(tmp_path):

@@ -150,10 +150,14 @@ def settings_differ(path, given, defaults):
     state = read_checkpoint(path, keys=('config',), mmap=True)
     saved = state.get('given_config', state['config'])
     differ = []
-    # A checkpoint to fine-tune: the run goes on only if it was fine-tuned from that one.
+    # The run goes on only if it began as this command begins one: fine-tuned from the same
+    # checkpoint, or ('auto') from scratch.
     init_from = given['init_from']
     tuned_from = state.get('fine_tuned_from')
-    if init_from not in ('auto', 'resume') and not same_file(init_from, tuned_from):
+    began_alike = same_file(init_from, tuned_from)
+    if init_from == 'auto':
+        began_alike = tuned_from is None
+    if not began_alike:
         was = tuned_from or 'scratch'
         differ.append(f"init_from={init_from!r} (the run's: {was!r})")
     for key, value in given.items():
@@ -166,10 +170,12 @@ def settings_differ(path, given, defaults):
 
 
 def same_file(path, other):
-    """Whether two paths name one file: the same string, or where both exist, one file."""
-    if path == other:
+    """Whether two paths name one file: the same path as written, or where both exist, one file."""
+    if other is None:
+        return False
+    if os.path.normpath(path) == os.path.normpath(other):
         return True
-    if other is None or not os.path.exists(path) or not os.path.exists(other):
+    if not os.path.exists(path) or not os.path.exists(other):
         return False
     return os.path.samefile(path, other)
 

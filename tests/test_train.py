@@ -1105,7 +1105,7 @@ def test_the_same_command_continues_a_finished_run_and_keeps_its_log(run, data_d
 
 def test_a_fine_tune_command_continues_only_a_run_fine_tuned_from_its_checkpoint(run, data_dir,
                                                                                 tmp_path):
-    # A run from scratch of the same settings is not the fine-tune's run, nor is a typo's.
+    # A run from scratch of the same settings is not the fine-tune's run, nor a typo's.
     out = copy_run(run, tmp_path)
     typo = shutil.copytree(out, tmp_path / 'typo')
     other = tmp_path / 'other.pt'
@@ -1116,10 +1116,14 @@ def test_a_fine_tune_command_continues_only_a_run_fine_tuned_from_its_checkpoint
     assert f"init_from='{other}' (the run's: 'scratch')" in errs[0]
     assert "init_from='resum'" in errs[1]
     assert len(records(out, 'loss')) == 6
-    # The fine-tune command rerun goes on from its run's state.
     tuned = tmp_path / 'tuned'
     train(['--max_steps=1', f'--init_from={other}'], tuned, data_dir)
-    res = train(['--max_steps=1', f'--init_from={other}'], tuned, data_dir)
+    # Nor is the fine-tuned run the command from scratch's.
+    (err,) = refused((['--max_steps=1'], tuned, data_dir))
+    assert f"init_from='auto' (the run's: '{other}')" in err
+    # The fine-tune command rerun goes on, its checkpoint gone and its path spelt otherwise.
+    os.remove(other)
+    res = train(['--max_steps=1', f'--init_from={tmp_path}/./other.pt'], tuned, data_dir)
     assert 'resuming from' in res.stdout
 
 

@@ -66,10 +66,11 @@ def run_file(path, settings):
             lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
         line = lines[-1] if lines else '?'
         sys.exit(f"config file {path}, line {line}: {type(e).__name__}: {e}")
-    # A file of no assignment sets nothing: a JSON file, say, parses as one dict expression.
-    setters = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Call)
-    if not any(isinstance(node, setters) for node in ast.walk(tree)):
-        sys.exit(f"config file {path} sets no setting: write Python, one name = value per line")
+    # A JSON file parses as one dict expression, which sets nothing.
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, (ast.Dict, ast.List)):
+            sys.exit(f"config file {path}, line {node.lineno}: a bare {type(node.value).__name__} "
+                     f"sets no setting: write Python, one name = value per line")
     return scope
 
 

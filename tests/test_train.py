@@ -783,6 +783,9 @@ def test_a_config_file_reads_the_settings_so_far_may_import_and_yields_to_flags(
     config = override(dict(settings), ['--d_model=32', str(tmp_path / 'c.py')])
     # A flag wins wherever it stands; the file saw 64.
     assert config['d_model'] == 32 and config['d_ff'] == 256
+    # A file of comments alone, or a docstring, sets nothing and is no mistake.
+    (tmp_path / 'e.py').write_text('"""The defaults."""\n# nothing to change\n')
+    assert override(dict(settings), [str(tmp_path / 'e.py')]) == settings
 
 
 @pytest.mark.parametrize(
@@ -791,7 +794,7 @@ def test_a_config_file_reads_the_settings_so_far_may_import_and_yields_to_flags(
         ('d_modle = 64\n', "unknown setting 'd_modle'"),
         ('d_model = 256\nlr = (1e-3\n', 'line 2: SyntaxError'),
         ('d_model = 256\n\nd_ff = 4 * dmodel\n', "line 3: NameError"),
-        ('{"d_model": 64, "lr": 2.0}\n', 'sets no setting'),  # JSON: read as a dict, once silent
+        ('{"d_model": 64, "lr": 2.0}\n', 'line 1: a bare Dict sets no setting'),  # JSON: was silent
     ],
 )
 def test_config_file_mistakes_name_the_file_the_line_and_the_key(tmp_path, text, message):

@@ -212,9 +212,10 @@ def remove_run(out_dir, run_files, ddp, master):
 
 
 def remove_partial_saves(out_dir):
-    """The temporary files of a save that was killed midway."""
-    for f in glob.glob(os.path.join(glob.escape(out_dir), '*.pt.*.tmp')):
-        os.remove(f)
+    """The temporary files of a save (or of the log's trim) that was killed midway."""
+    for pattern in ('*.pt.*.tmp', 'log.jsonl.*.tmp'):
+        for f in glob.glob(os.path.join(glob.escape(out_dir), pattern)):
+            os.remove(f)
 
 
 def rotate(out_dir, keep_state, keep_last):

@@ -110,22 +110,24 @@ def catch_stop_signals():
     signal.signal(signal.SIGINT, ask_to_stop)
 
 
-def stop_at_once(when):
+def stop_at_once(when, master):
     """After the loop: a stop signal (or one that came since the last step's check) ends the run
-    at once, in one line; the same command averages and evaluates again."""
+    at once, in rank 0's line (another rank's leaving ends rank 0's next collective, in its
+    line); the same command averages and evaluates again."""
     def stop_now(signum, frame):
         stop['signal'] = signal.Signals(signum).name
-        stopped_at_once(when)
+        stopped_at_once(when, master)
 
     signal.signal(signal.SIGTERM, stop_now)
     signal.signal(signal.SIGINT, stop_now)
     if stop['signal'] is not None:
-        stopped_at_once(when)
+        stopped_at_once(when, master)
 
 
-def stopped_at_once(when):
-    print(f"{stop['signal']}: stopped {when}; the same command does what was left",
-          file=sys.stderr)
+def stopped_at_once(when, master):
+    if master:
+        print(f"{stop['signal']}: stopped {when}; the same command does what was left",
+              file=sys.stderr)
     exit_now(1)
 
 

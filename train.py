@@ -365,7 +365,7 @@ while step < max_steps:
 
 # -----------------------------------------------------------------------------
 # Section 6.1: the reported models average the last checkpoints
-cluster.stop_at_once(f"after the last step ({step}), averaging or evaluating")
+cluster.stop_at_once(f"after the last step ({step}), averaging or evaluating", master)
 newest = checkpoint.checkpoints(out_dir)[-average_last:]
 raw_model.load_state_dict(checkpoint.average_checkpoints(newest))
 save(os.path.join(out_dir, 'ckpt.pt'))

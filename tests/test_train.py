@@ -1067,7 +1067,7 @@ def test_a_stop_signal_after_the_last_step_ends_the_run_at_once_in_one_line(monk
     monkeypatch.setattr(cluster, 'exit_now', sys.exit)
     monkeypatch.setitem(cluster.stop, 'signal', None)
     when = 'after the last step (6), averaging or evaluating'
-    cluster.stop_at_once(when)
+    cluster.stop_at_once(when, True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         with pytest.raises(SystemExit) as stopped:
             handlers[sig](sig, None)
@@ -1075,9 +1075,18 @@ def test_a_stop_signal_after_the_last_step_ends_the_run_at_once_in_one_line(monk
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f'{name}: stopped {when}; the same command does what was left'
                      for name in ('SIGTERM', 'SIGINT')]
-    # A signal that came after the last step's check ends it at once too.
+    # A signal that came after the last step's check ends it at once too; other ranks say nothing.
     with pytest.raises(SystemExit):
-        cluster.stop_at_once(when)
+        cluster.stop_at_once(when, False)
+    assert capsys.readouterr().err == ''
+
+
+def test_a_resume_removes_what_a_killed_save_left_and_nothing_else(tmp_path):
+    names = ['state_0000006.pt.a1b2c3d4.tmp', 'log.jsonl.a1b2c3d4.tmp', 'ckpt.pt', 'x.txt.a1b2.tmp']
+    for name in names:
+        (tmp_path / name).write_text('x')
+    checkpoint.remove_partial_saves(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'x.txt.a1b2.tmp']
 
 
 def test_a_stop_before_the_first_step_is_one_line(data_dir, tmp_path):

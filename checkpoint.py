@@ -77,8 +77,12 @@ def save_atomic(obj, path):
             torch.save(obj, f)
     except OSError as e:  # a missing or read-only folder, a full disk
         fail(f"cannot write {path}: {e.strerror or e}")
-    except RuntimeError as e:  # torch's zip writer reports a short write (a full disk) this way
-        fail(f"cannot write {path} (a full disk?): {str(e).strip().splitlines()[0]}")
+    except RuntimeError as e:
+        message = str(e).strip()
+        # torch's zip writer reports a short write (a full disk) this way; other errors are bugs
+        if 'inline_container' not in message and 'PytorchStreamWriter' not in message:
+            raise
+        fail(f"cannot write {path} (a full disk?): {message.splitlines()[0]}")
 
 
 def write_json(path, obj):

@@ -932,6 +932,17 @@ def test_a_checkpoint_save_that_fails_midway_is_one_line_and_keeps_the_old_file(
     assert (tmp_path / 'ckpt.pt').read_text() == 'old'
 
 
+def test_a_checkpoint_save_that_fails_for_another_reason_keeps_its_traceback(tmp_path,
+                                                                              monkeypatch):
+    def save(obj, f):
+        raise RuntimeError('cannot pickle a lambda')
+
+    monkeypatch.setattr(checkpoint.torch, 'save', save)
+    with pytest.raises(RuntimeError, match='cannot pickle'):
+        checkpoint.save_atomic({}, str(tmp_path / 'ckpt.pt'))
+    assert os.listdir(tmp_path) == []
+
+
 # -----------------------------------------------------------------------------------------------
 # batching
 

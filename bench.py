@@ -420,6 +420,12 @@ def parse_args(argv=None):
     g.add_argument('--rounds', type=int, default=3,
                    help='each row this many times, the rows alternating')
     args, args.translate_args = p.parse_known_args(argv)
+    for name in ('steps', 'decode_sents', 'decode_len', 'beam', 'rounds', 'batch_tokens'):
+        value = getattr(args, name)
+        if value is not None and value < 1:  # batch_tokens: None until given
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error('--warmup must be >= 0')
     args.settings = dict(SETTINGS)
     if args.config.endswith('.py'):
         read_config_file(args, p)
@@ -431,11 +437,6 @@ def parse_args(argv=None):
         p.error(f"unrecognized arguments: {' '.join(args.translate_args)}")
     if args.translate and not args.input:  # translate.py would wait on standard input
         p.error('--translate needs --input')
-    for name in ('steps', 'decode_sents', 'decode_len', 'beam', 'rounds', 'batch_tokens'):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup is not None and args.warmup < 0:
-        p.error('--warmup must be >= 0')
     return args
 
 

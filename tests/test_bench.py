@@ -235,7 +235,8 @@ def test_no_prepared_data_ends_bench_with_one_line_that_says_how_to_prepare_it(t
         assert '\n' not in message
 
 
-@pytest.mark.parametrize('flags', [['--steps', '0'], ['--beam', '0'], ['--warmup', '-1']])
+@pytest.mark.parametrize('flags', [['--steps', '0'], ['--beam', '0'], ['--warmup', '-1'],
+                                   ['--batch-tokens', '0']])
 def test_counts_below_their_range_are_a_usage_error(flags, capsys):
     # --steps 0 timed nothing and divided by it.
     with pytest.raises(SystemExit) as e:

@@ -218,6 +218,15 @@ HEADS_CHECKED = ("import runpy, sys, speed\n"
                  "speed.check_heads = refuse\n"
                  "sys.argv = sys.argv[1:]\n"
                  "runpy.run_path('train.py', run_name='__main__')\n")
+# Ctrl-C as the end's averaging begins, after the loop's last look for a stop signal.
+INTERRUPTED_AT_THE_END = ("import os, runpy, signal, sys, checkpoint\n"
+                          "average = checkpoint.average_checkpoints\n"
+                          "def interrupted(paths):\n"
+                          "    os.kill(os.getpid(), signal.SIGINT)\n"
+                          "    return average(paths)\n"
+                          "checkpoint.average_checkpoints = interrupted\n"
+                          "sys.argv = sys.argv[1:]\n"
+                          "runpy.run_path('train.py', run_name='__main__')\n")
 NO_DROPOUT = ['--max_steps=5', '--dropout=0.0']
 LEARNED = ['--positions=learned', '--n_heads=3', '--d_head=4', '--save_interval=2',
            '--keep_state=2', '--dropout=0.1']
@@ -1079,6 +1088,17 @@ def test_a_stop_signal_after_the_last_step_ends_the_run_at_once_in_one_line(monk
     with pytest.raises(SystemExit):
         cluster.stop_at_once(when, False)
     assert capsys.readouterr().err == ''
+
+
+def test_ctrl_c_in_the_final_averaging_stops_train_py_and_the_same_command_ends_it(data_dir,
+                                                                                  tmp_path):
+    res = train(['--max_steps=1'], tmp_path, data_dir, ok=False,
+                launcher=wrapped(INTERRUPTED_AT_THE_END))
+    assert res.stderr == ('SIGINT: stopped after the last step (1), averaging or evaluating; the '
+                          'same command does what was left\n')
+    assert not os.path.exists(tmp_path / 'ckpt.pt')
+    res = train(['--max_steps=1'], tmp_path, data_dir)
+    assert 'resuming from' in res.stdout and os.path.exists(tmp_path / 'ckpt.pt')
 
 
 def test_a_resume_removes_what_a_killed_save_left_and_nothing_else(tmp_path):

@@ -247,6 +247,8 @@ def check_outputs(p, args):
             continue
         if os.path.isdir(path) or any(os.path.samefile(path, q) for q in inputs):
             p.error(f"{option} {path} is a folder or an input of this run")
+        if flag == 'save_average':  # a run's own ckpt.pt, say: hours of training
+            p.error(f"{option} {path} exists: give a new name, or delete it first")
 
 
 def save_average(model, ckpt, paths, path):

@@ -345,6 +345,23 @@ def test_an_output_that_is_an_input_or_a_folder_is_refused(toy, tmp_path, capsys
     assert missing in str(e.value.code) and '\n' not in str(e.value.code)
 
 
+def test_save_average_never_overwrites_a_file(toy, tmp_path, capsys):
+    # A run's own ckpt.pt (train.py's average) or ckpt_best.pt, say.
+    run = tmp_path / 'run'
+    run.mkdir()
+    for name in ('ckpt_0000001.pt', 'ckpt.pt'):
+        (run / name).write_bytes(open(toy['ckpt'], 'rb').read())
+    (run / 'ckpt.pt').write_bytes((run / 'ckpt.pt').read_bytes() + b'x')
+    before = (run / 'ckpt.pt').read_bytes()
+    src = write_lines(tmp_path / 'src', ['alpha beta'])
+    with pytest.raises(SystemExit) as e:
+        T.main(['--ckpt', str(run), '--input', str(src), '--average-last', '1',
+                '--save-average', str(run / 'ckpt.pt')])
+    assert e.value.code == 2
+    assert f"--save-average {run / 'ckpt.pt'} exists" in capsys.readouterr().err
+    assert (run / 'ckpt.pt').read_bytes() == before
+
+
 def reading(fifo, proc):
     """Waits until proc opens fifo and one of its threads waits in a read of it -> the write end,
     left open. A signal that came before that read would not interrupt it."""

@@ -37,6 +37,8 @@ def pyplot(show):
         fail("plot.py needs matplotlib: pip install 'matplotlib>=3.7'")
     if not show:
         matplotlib.use('Agg')
+    # A $ in a sentence, a token or a run's name is text: matplotlib would parse $...$ as TeX.
+    matplotlib.rcParams['text.parse_math'] = False
     import matplotlib.pyplot as plt
     return plt
 

@@ -315,6 +315,17 @@ def test_attention_shows_a_control_character_token_escaped(tmp_path, checkpoint,
     assert any('ein\\x07mann' in t.get_text() for t in figures[0].texts)  # the suptitle
 
 
+def test_dollar_signs_in_sentences_and_names_are_drawn_as_text(tmp_path, checkpoint):
+    # matplotlib reads $...$ as TeX: '$\\foo$' ended in a ParseFatalException traceback.
+    pytest.importorskip('matplotlib')
+    attention(checkpoint, tmp_path / 'a.png', '--src', '$\\foo$ bar', '--tgt', 'ein $x$',
+              '--kinds', 'cross', '--heads', '0')
+    assert_png(tmp_path / 'a.png')
+    run = synthetic_log(tmp_path / '$\\bar$')
+    curves(run, '-o', str(tmp_path / 'c.png'), '--labels', '$\\foo$')
+    assert_png(tmp_path / 'c.png')
+
+
 def test_attention_of_its_own_translation_decodes_as_translate_py(
         tmp_path, checkpoint, monkeypatch):
     pytest.importorskip('matplotlib')

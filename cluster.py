@@ -30,6 +30,19 @@ def start(device, ddp_timeout_minutes, out_dir):
     rank = int(os.environ['RANK'])
     world = int(os.environ['WORLD_SIZE'])
     timeout = datetime.timedelta(minutes=ddp_timeout_minutes)
+    try:
+        device, host_group = join_group(device, rank, world, timeout)
+    except dist.DistNetworkError as e:  # a launch of one's own with a MASTER_PORT in use, say
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        sys.exit(f"train.py: cannot start the process group at {address} "
+                 f"({str(e).strip().splitlines()[0]}): choose a free MASTER_PORT")
+    check_shared_out_dir(out_dir, rank, host_group)
+    sys.excepthook = one_line_on_failure  # after init_process_group's, which would hide its line
+    return True, rank, world, device, host_group
+
+
+def join_group(device, rank, world, timeout):
+    """init_process_group -> this rank's device and the host group (see start)."""
     store = attempt_store(timeout)
     if device.startswith('cuda'):
         device = f"cuda:{os.environ['LOCAL_RANK']}"
@@ -37,13 +50,9 @@ def start(device, ddp_timeout_minutes, out_dir):
         # device_id: NCCL connects each rank to its own GPU at once.
         dist.init_process_group('nccl', timeout=timeout, device_id=torch.device(device),
                                 store=store, rank=rank, world_size=world)
-        host_group = dist.new_group(backend='gloo', timeout=timeout)
-    else:
-        dist.init_process_group('gloo', timeout=timeout, store=store, rank=rank, world_size=world)
-        host_group = None
-    check_shared_out_dir(out_dir, rank, host_group)
-    sys.excepthook = one_line_on_failure  # after init_process_group's, which would hide its line
-    return True, rank, world, device, host_group
+        return device, dist.new_group(backend='gloo', timeout=timeout)
+    dist.init_process_group('gloo', timeout=timeout, store=store, rank=rank, world_size=world)
+    return device, None
 
 
 def attempt_store(timeout):

@@ -1054,6 +1054,20 @@ def test_an_error_of_one_process_keeps_its_traceback_whatever_it_says(monkeypatc
     assert seen == [RuntimeError]
 
 
+def test_a_master_port_in_use_is_one_line(data_dir, tmp_path, monkeypatch):
+    # A launch of one's own (a job script setting RANK and MASTER_PORT for srun), not torchrun's.
+    with socket.socket() as busy:
+        busy.bind(('127.0.0.1', 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {'RANK': '0', 'WORLD_SIZE': '1', 'LOCAL_RANK': '0', 'MASTER_ADDR': '127.0.0.1',
+               'MASTER_PORT': str(port)}
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        (err,) = refused((['--max_steps=1'], tmp_path, data_dir))
+    assert f'cannot start the process group at 127.0.0.1:{port}' in err
+
+
 def test_out_of_gpu_memory_anywhere_is_one_line_with_what_to_change(monkeypatch, capsys):
     # Adam's first step and an evaluation run out of memory too, not only a forward and backward.
     monkeypatch.setattr(sys, '__excepthook__', lambda kind, error, tb: print('traceback'))

@@ -138,10 +138,13 @@ def open_run(out_dir, init_from, overwrite, master, given, defaults):
         sys.exit(f"out_dir {out_dir} holds a run of other settings ({', '.join(differ[:3])}): "
                  f"continue it with --init_from=resume, use another --out_dir, "
                  f"or start over with --overwrite=True (deletes it)")
-    if init_from != 'scratch' and run_files == ['log.jsonl']:
-        if master:  # a run stopped before its first state: nothing to go on from
-            print(f"out_dir {out_dir} holds only the log of a run that saved no state: "
-                  f"starting over")
+    # A run killed before its first state (validation BLEU may have written ckpt_best.pt): nothing
+    # to go on from.
+    no_state = set(run_files) <= {'log.jsonl', 'ckpt_best.pt'}
+    if init_from != 'scratch' and no_state:
+        if master:
+            print(f"out_dir {out_dir} holds only {' and '.join(run_files)} of a run that saved no "
+                  f"state: starting over")
         return start, run_files
     sys.exit(f"out_dir {out_dir} already holds a run ({', '.join(run_files[:3])}, ...): "
              f"continue it with --init_from=resume, use another --out_dir, "

@@ -451,6 +451,20 @@ def test_a_used_out_dir_is_refused_unless_overwrite_which_waits_for_every_input(
     assert checkpoint.checkpoints(str(tuned)) == [str(tuned / 'ckpt_0000001.pt')]
 
 
+def test_the_same_command_starts_over_a_run_killed_before_its_first_state(run, data_dir,
+                                                                          tmp_path):
+    # Killed (SIGKILL: no state saved on the way out) after a log line, and after validation BLEU
+    # wrote ckpt_best.pt.
+    for names in (['log.jsonl'], ['log.jsonl', 'ckpt_best.pt']):
+        out = tmp_path / str(len(names))
+        out.mkdir()
+        for name in names:
+            shutil.copy(os.path.join(run[0], name), out / name)
+        res = train(SHARED['run'][0], out, data_dir)
+        assert 'of a run that saved no state: starting over' in res.stdout
+        assert losses(out) == losses(run[0])
+
+
 def test_a_run_into_an_out_dir_another_run_is_using_is_refused(data_dir, tmp_path):
     first = start(['--max_steps=100000'], tmp_path, data_dir)
     try:

@@ -32,10 +32,13 @@ def start(device, ddp_timeout_minutes, out_dir):
     timeout = datetime.timedelta(minutes=ddp_timeout_minutes)
     try:
         device, host_group = join_group(device, rank, world, timeout)
-    except dist.DistNetworkError as e:  # a launch of one's own with a MASTER_PORT in use, say
+    except dist.DistNetworkError as e:  # a launch of one's own: a port in use, a master not up
         address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        advice = f"check that rank 0 runs and {address} is reachable"
+        if 'EADDRINUSE' in str(e):
+            advice = "choose a free MASTER_PORT"
         sys.exit(f"train.py: cannot start the process group at {address} "
-                 f"({str(e).strip().splitlines()[0]}): choose a free MASTER_PORT")
+                 f"({str(e).strip().splitlines()[0]}): {advice}")
     check_shared_out_dir(out_dir, rank, host_group)
     sys.excepthook = one_line_on_failure  # after init_process_group's, which would hide its line
     return True, rank, world, device, host_group

@@ -1080,6 +1080,7 @@ def test_a_master_port_in_use_is_one_line(data_dir, tmp_path, monkeypatch):
             monkeypatch.setenv(key, value)
         (err,) = refused((['--max_steps=1'], tmp_path, data_dir))
     assert f'cannot start the process group at 127.0.0.1:{port}' in err
+    assert err.strip().endswith('choose a free MASTER_PORT')
 
 
 def test_out_of_gpu_memory_anywhere_is_one_line_with_what_to_change(monkeypatch, capsys):
@@ -1129,7 +1130,7 @@ def test_ctrl_c_in_the_final_averaging_stops_train_py_and_the_same_command_ends_
     assert 'resuming from' in res.stdout and os.path.exists(tmp_path / 'ckpt.pt')
 
 
-def test_a_resume_removes_what_a_killed_save_left_and_nothing_else(tmp_path):
+def test_remove_partial_saves_takes_what_a_killed_save_left_and_nothing_else(tmp_path):
     names = ['state_0000006.pt.a1b2c3d4.tmp', 'log.jsonl.a1b2c3d4.tmp', 'ckpt.pt', 'x.txt.a1b2.tmp']
     for name in names:
         (tmp_path / name).write_text('x')

@@ -142,31 +142,48 @@ def pair_sizes(data):
     return np.maximum(np.diff(src_idx), np.diff(tgt_idx)) + 1
 
 
-def check_sizes(splits, max_tokens, max_len, data_dir, log):
-    """splits: {name: data of load_split}. A pair that fits no batch of max_tokens is left out, with
-    a warning; a split of which none fits, or a kept pair over the model's max_len, is an error."""
-    for split, data in splits.items():
+def check_sizes(train_data, valid_data, max_tokens, max_len, data_dir, log):
+    """Pairs that fit no batch of max_tokens, and validation pairs over the model's max_len, are
+    left out with a warning; a split of which none fits, or a kept training pair over max_len, is
+    an error."""
+    for split, data in (('training', train_data), ('validation', valid_data)):
         sizes = pair_sizes(data)
         if len(sizes) and sizes.min() > max_tokens:
             sys.exit(f"max_tokens={max_tokens} is below every {split} pair: "
                      f"raise it to at least {sizes.min()}")
-        too_big = sizes > max_tokens
+        too_long = np.zeros(len(sizes), dtype=bool)
+        if split == 'validation':  # data_prep.py --max-len filters training pairs only
+            too_long = sizes > max_len
+        if len(sizes) and too_long.all():
+            sys.exit(f"every validation pair of {data_dir} is over the model's max_len={max_len} "
+                     f"tokens (with EOS)")
+        if too_long.any():
+            log(f"warning: {too_long.sum()} validation pairs are over the model's "
+                f"max_len={max_len} tokens (with EOS) and are left out")
+        too_big = (sizes > max_tokens) & ~too_long
         if too_big.any():
             log(f"warning: {too_big.sum()} {split} pairs need more than max_tokens={max_tokens} "
-                f"padded tokens and are left out; max_tokens={sizes.max()} would keep them all")
-        if sizes[~too_big].max(initial=0) > max_len:  # past it, positions have no encoding
-            sys.exit(f"{data_dir} has {split} sentences over the model's max_len={max_len} tokens "
-                     f"(with EOS): raise max_len, or leave them out (data_prep.py --max-len)")
+                f"padded tokens and are left out; max_tokens={sizes[~too_long].max()} would "
+                f"keep them all")
+        kept = sizes[~too_big & ~too_long]
+        if kept.max(initial=0) > max_len:  # past it, positions have no encoding
+            sys.exit(f"{data_dir} has training sentences over the model's max_len={max_len} "
+                     f"tokens (with EOS): raise max_len, or leave them out "
+                     f"(data_prep.py --max-len)")
 
 
-def batch_plan(data, max_tokens, seed, epoch, shuffle=True):
+def batch_plan(data, max_tokens, seed, epoch, shuffle=True, max_len=None):
     """train.py's batches of an epoch, as fairseq's: pairs shuffled, stably sorted by length, filled
-    up to max_tokens padded tokens, the batches shuffled; the same on every rank."""
+    up to max_tokens padded tokens, the batches shuffled; the same on every rank. max_len: pairs
+    over it are left out too (validation's, see check_sizes)."""
     size = pair_sizes(data)
     rng = np.random.default_rng([seed, epoch])
     order = rng.permutation(len(size)) if shuffle else np.arange(len(size))
     order = order[np.argsort(size[order], kind='stable')]
-    fits = size[order] <= max_tokens  # a longer pair fits no batch
+    longest = max_tokens  # a longer pair fits no batch
+    if max_len is not None:
+        longest = min(max_tokens, max_len)
+    fits = size[order] <= longest
     batches = token_batches(size, order[fits], max_tokens)
     if not shuffle:
         return batches

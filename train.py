@@ -136,8 +136,7 @@ model_cfg = checkpoint.model_config(state, fine_tuned_from, config, meta, enc.n_
 problem = speed.check_heads(model_cfg, cuda_graphs)
 if problem:
     sys.exit(problem)
-dataset.check_sizes({'training': train_data, 'validation': valid_data}, max_tokens,
-                    model_cfg.max_len, data_dir, log)
+dataset.check_sizes(train_data, valid_data, max_tokens, model_cfg.max_len, data_dir, log)
 raw_model = M.Transformer(model_cfg).to(device)
 if state is not None:
     raw_model.load_state_dict(state['model'])
@@ -228,7 +227,8 @@ def evaluate(final=False):
     global best_bleu
     raw_model.eval()
     totals = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens
-    plan = dataset.batch_plan(valid_data, max_tokens, seed, epoch=0, shuffle=False)
+    plan = dataset.batch_plan(valid_data, max_tokens, seed, epoch=0, shuffle=False,
+                                max_len=model_cfg.max_len)
     for ids in plan[rank::world]:
         src, tgt_in, rows, targets = get_batch(valid_data, ids)
         with autocast:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -672,10 +673,9 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
         assert expected in in_process_refusal(configurator.check_ranges, config)
     message = in_process_refusal(dataset.open_prepared, 'nowhere/wmt14_en_fr')
     assert 'no prepared data in nowhere/wmt14_en_fr: prepare it' in message
-    splits = {'training': dataset.load_split(data_dir, 'train'),
-              'validation': dataset.load_split(data_dir, 'valid')}
-    smallest = dataset.pair_sizes(splits['training']).min()
-    message = in_process_refusal(dataset.check_sizes, splits, smallest - 1, 1024, data_dir, print)
+    splits = [dataset.load_split(data_dir, 'train'), dataset.load_split(data_dir, 'valid')]
+    smallest = dataset.pair_sizes(splits[0]).min()
+    message = in_process_refusal(dataset.check_sizes, *splits, smallest - 1, 1024, data_dir, print)
     assert f'raise it to at least {smallest}' in message
     problem = speed.check_settings('cpu', 'float32', True, False, 1, False)
     assert 'cuda_graphs needs a GPU' in problem
@@ -684,6 +684,25 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
     (err,) = refused((['--max_len=8'], tmp_path, data_dir))
     assert 'max_len=8' in err
     assert not os.path.exists(tmp_path / 'log.jsonl')
+
+
+def pairs(*lengths):
+    """A split as load_split gives it, of pairs whose sides have these lengths."""
+    ends = np.cumsum([0, *lengths])
+    tokens = np.full(ends[-1], 7, dtype=np.uint16)
+    return tokens, ends, tokens, ends
+
+
+def test_validation_pairs_over_max_len_are_left_out_and_training_ones_refused(capsys):
+    train_data, valid_data = pairs(3, 5), pairs(3, 9, 4)  # sizes (+ EOS): 4, 6 and 4, 10, 5
+    dataset.check_sizes(train_data, valid_data, 12, 8, 'data', print)
+    assert "1 validation pairs are over the model's max_len=8" in capsys.readouterr().out
+    plan = dataset.batch_plan(valid_data, 12, 0, epoch=0, shuffle=False, max_len=8)
+    assert sorted(i for batch in plan for i in batch) == [0, 2]
+    message = in_process_refusal(dataset.check_sizes, valid_data, train_data, 12, 8, 'data', print)
+    assert 'data has training sentences over the model' in message
+    message = in_process_refusal(dataset.check_sizes, train_data, pairs(9), 12, 8, 'data', print)
+    assert 'every validation pair of data is over' in message
 
 
 def test_a_streak_of_non_finite_updates_stops_the_run(solo):  # lr 1e38

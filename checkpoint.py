@@ -395,8 +395,7 @@ def fail(msg):  # named after the running script: every script reads checkpoints
 def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer'), mmap=False):
     """A checkpoint holding keys, or one line naming it; mmap: tensors read when used."""
     if os.path.isdir(path):
-        fail(f"{path} is a folder: give a checkpoint file in it, or --average-last N to average "
-             f"its newest ckpt_STEP.pt")
+        fail(f"{path} is a folder: give a checkpoint file in it, such as ckpt.pt")
     if not os.path.isfile(path):
         fail(f"checkpoint {path} not found")
     # weights_only: our checkpoints hold only tensors and plain containers: loading runs no code.

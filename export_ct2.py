@@ -359,6 +359,9 @@ def main(argv=None):
         averaged = checkpoint.average_checkpoints(paths)
         model, _, ckpt = checkpoint.load_checkpoint(paths[-1], 'cpu', averaged)
     else:
+        if os.path.isdir(args.ckpt):
+            checkpoint.fail(f"--ckpt {args.ckpt} is a folder: give a checkpoint file in it, or "
+                            f"--average-last N to export the average of its newest ckpt_STEP.pt")
         paths = [args.ckpt]
         model, _, ckpt = checkpoint.load_checkpoint(args.ckpt, 'cpu')
     # load_checkpoint has just read the tokenizer: it resolves.

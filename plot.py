@@ -338,8 +338,6 @@ def plot_attention(ckpt, src_text, out, tgt_text=None, layers=(-1,), heads=None,
                    beam=4, show=False):
     plt = pyplot(show)
     out = figure_path(out)
-    if os.path.isdir(ckpt):  # not translate.py's advice, which names its own --average-last
-        fail(f"--ckpt {ckpt} is a folder: give a checkpoint file in it (ckpt.pt)")
     model, enc, saved = checkpoint.load_checkpoint(ckpt, 'cpu')
     cfg = model.cfg
     n_layers = {'encoder': cfg.n_enc_layers, 'decoder': cfg.n_dec_layers, 'cross': cfg.n_dec_layers}

@@ -613,3 +613,16 @@ def test_fast_dtype_is_bfloat16_only_where_it_is_native(monkeypatch):
     for native in (False, True):  # a GPU: bf16 from Ampere on, not on a V100 or a T4
         monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda *a, **k: native)
         assert speed.fast_dtype('cuda') == ('bfloat16' if native else 'float32')
+
+
+def test_a_folder_for_a_checkpoint_names_average_last_only_where_the_script_has_it(toy, tmp_path):
+    import export_ct2
+    folder = os.path.dirname(toy['ckpt'])
+    for main, args in ((T.main, ['--input', toy['src']]),
+                       (export_ct2.main, ['--out', str(tmp_path / 'ct2')])):
+        with pytest.raises(SystemExit) as e:
+            main(['--ckpt', folder, *args])
+        assert f'--ckpt {folder} is a folder' in str(e.value) and '--average-last N' in str(e.value)
+    with pytest.raises(SystemExit) as e:  # as train.py's init_from reads it
+        checkpoint.read_checkpoint(folder)
+    assert f'{folder} is a folder' in str(e.value) and 'average-last' not in str(e.value)

@@ -166,13 +166,14 @@ def settings_differ(path, given, defaults):
         began_alike = tuned_from is None
     if not began_alike:
         was = tuned_from or 'scratch'
-        differ.append(f"init_from={init_from!r} (the run's: {was!r})")
+        differ.append(f"init_from={init_from!r} (the run began from {was!r})")
     for key, value in given.items():
         if key in ('init_from', 'overwrite', 'out_dir'):  # out_dir: the folder looked in
             continue
         was = saved.get(key, defaults.get(key))
         if value != was:
-            differ.append(f"{key}={value!r} (the run's: {was!r})")
+            # the command's, not the model's: a fine-tune keeps its checkpoint's architecture
+            differ.append(f"{key}={value!r} (the run's command: {was!r})")
     return differ
 
 

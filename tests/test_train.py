@@ -1193,18 +1193,27 @@ def test_a_fine_tune_command_continues_only_a_run_fine_tuned_from_its_checkpoint
     args = SHARED['run'][0]
     errs = refused((args + [f'--init_from={other}'], out, data_dir),
                    (args + ['--init_from=resum'], typo, data_dir))
-    assert f"init_from='{other}' (the run's: 'scratch')" in errs[0]
+    assert f"init_from='{other}' (the run began from 'scratch')" in errs[0]
     assert "init_from='resum'" in errs[1]
     assert len(records(out, 'loss')) == 6
     tuned = tmp_path / 'tuned'
     train(['--max_steps=1', f'--init_from={other}'], tuned, data_dir)
     # Nor is the fine-tuned run the command from scratch's.
     (err,) = refused((['--max_steps=1'], tuned, data_dir))
-    assert f"init_from='auto' (the run's: '{other}')" in err
+    assert f"init_from='auto' (the run began from '{other}')" in err
     # The fine-tune command rerun goes on, its checkpoint gone and its path spelt otherwise.
     os.remove(other)
     res = train(['--max_steps=1', f'--init_from={tmp_path}/./other.pt'], tuned, data_dir)
     assert 'resuming from' in res.stdout
+
+
+def test_a_used_out_dir_names_the_settings_its_runs_command_gave(run):
+    # A fine-tune's command may give an architecture its checkpoint overrides: the refusal says
+    # what the command gave, not what the model is.
+    state = checkpoint.checkpoints(run[0], 'state')[-1]
+    given = torch.load(state, weights_only=True)['given_config']
+    differ = checkpoint.settings_differ(state, dict(given, n_heads=1), {})
+    assert differ == [f"n_heads=1 (the run's command: {given['n_heads']})"]
 
 
 def test_sigterm_to_one_rank_saves_both_at_one_step_and_the_same_command_goes_on(two, data_dir,

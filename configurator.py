@@ -25,6 +25,8 @@ def set_setting(config, key, value, where):
 def override(config, args):
     """Config files first, each executed over the settings so far (it may read them,
     d_ff = 4 * d_model, and import), then each --key=value parsed as a Python literal."""
+    if '-h' in args or '--help' in args:
+        print_help(config)
     files = [a for a in args if not a.startswith('--')]
     flags = [a for a in args if a.startswith('--')]
     # Checked first: `--max_steps 5` would read 5 as a config file that is not there.
@@ -47,6 +49,17 @@ def override(config, args):
             value = raw  # --out_dir=2024 names the folder '2024'
         set_setting(config, key, value, arg)
     return config
+
+
+def print_help(config):
+    """The command line and every setting with its default; exit 0."""
+    script = os.path.basename(sys.argv[0])
+    print(f"usage: {script} [CONFIG_FILE ...] [--key=value ...]\n"
+          f"Config files, then --key=value, override these defaults (what each means: the top of "
+          f"{script}):")
+    for key, value in config.items():
+        print(f"  --{key}={value!r}")
+    sys.exit(0)
 
 
 def run_file(path, settings):

@@ -807,6 +807,17 @@ def test_a_flag_and_its_value_apart_are_named_not_read_as_a_config_file():
     assert message == '--max_steps: expected --key=value'
 
 
+def test_help_lists_every_setting_with_its_default_and_exits_0(capsys):
+    settings = {'out_dir': 'out/x', 'max_steps': 10}
+    for flag in ('-h', '--help'):
+        with pytest.raises(SystemExit) as e:
+            configurator.override(dict(settings), ['config/multi30k.py', flag])
+        assert e.value.code == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].endswith('[CONFIG_FILE ...] [--key=value ...]')
+        assert lines[-2:] == ["  --out_dir='out/x'", '  --max_steps=10']
+
+
 def test_numbers_given_for_a_text_setting_are_kept_as_text():
     settings = {'out_dir': 'out/x', 'dtype': 'auto', 'max_steps': 10}
     config = load_override()(settings, ['--out_dir=2024', "--dtype='float32'"])

@@ -107,6 +107,7 @@ RETRY_WAIT = 2.0  # seconds before the first retry of a download, doubled each t
 # What str.splitlines() breaks a line at
 LINE_BREAKS = re.compile('[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]')
 SEG = re.compile(r'\s*<seg[^>]*>(.*)</seg>')  # a sentence of an SGM file
+SPLIT_FILE = re.compile(r'(train|valid|test)\.[^.]+\.(bin|idx|txt)')  # a split's token file
 # What a killed run leaves in --out: its folder of new files, or (before it had one) temporaries.
 LEFTOVERS = re.compile(r'\.preparing\.\w+'
                        r'|((train|valid|test)\.[^.]+\.(bin|idx|txt)|\w+\.json)\.\w+\.tmp')
@@ -559,8 +560,13 @@ def write_folder(args, files, settings, given, vocab_size):
         old_meta = os.path.join(args.out, 'meta.json')
         if os.path.exists(old_meta):
             os.remove(old_meta)
-        for name in sorted(os.listdir(new), key=lambda name: name == 'meta.json'):
+        written = sorted(os.listdir(new), key=lambda name: name == 'meta.json')
+        for name in written:
             os.replace(os.path.join(new, name), os.path.join(args.out, name))
+        # out prepared before for another language pair: its token files go too
+        for name in os.listdir(args.out):
+            if SPLIT_FILE.fullmatch(name) and name not in written:
+                os.remove(os.path.join(args.out, name))
     finally:
         shutil.rmtree(new, ignore_errors=True)
     pairs = meta['splits']['train']['pairs']

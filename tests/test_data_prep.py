@@ -705,6 +705,21 @@ def test_a_rerun_is_skipped_with_the_same_settings_and_files_and_redone_otherwis
     assert 'already prepared' not in capsys.readouterr().out
 
 
+def test_a_folder_prepared_again_for_another_pair_keeps_no_file_of_the_old_pair(corpus):
+    out = corpus / 'out'
+    out.mkdir()
+    (out / 'notes.txt').write_text('mine')
+    data_prep.main(custom_args(corpus, out))
+    write_custom(corpus, {'train': toy_pairs(50, 9), 'valid': toy_pairs(5, 10),
+                          'test': toy_pairs(5, 11)}, tgt='zz')
+    args = custom_args(corpus, out)
+    args[args.index('yy')] = 'zz'
+    data_prep.main(args)
+    names = sorted(os.listdir(out))
+    assert not [name for name in names if '.yy.' in name]
+    assert 'train.zz.bin' in names and 'test.zz.txt' in names and 'notes.txt' in names
+
+
 def test_a_killed_run_leaves_nothing_finished_looking_and_reruns_to_the_same_bytes(corpus,
                                                                                    monkeypatch):
     real = data_prep.encode_lines

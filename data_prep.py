@@ -109,8 +109,7 @@ LINE_BREAKS = re.compile('[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]')
 SEG = re.compile(r'\s*<seg[^>]*>(.*)</seg>')  # a sentence of an SGM file
 SPLIT_FILE = re.compile(r'(train|valid|test)\.[^.]+\.(bin|idx|txt)')  # a split's token file
 # What a killed run leaves in --out: its folder of new files, or (before it had one) temporaries.
-LEFTOVERS = re.compile(r'\.preparing\.\w+'
-                       r'|((train|valid|test)\.[^.]+\.(bin|idx|txt)|\w+\.json)\.\w+\.tmp')
+LEFTOVERS = re.compile(r'\.preparing\.\w+|(' + SPLIT_FILE.pattern + r'|\w+\.json)\.\w+\.tmp')
 
 # -----------------------------------------------------------------------------------------------
 # download

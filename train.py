@@ -228,7 +228,7 @@ def evaluate(final=False):
     raw_model.eval()
     totals = torch.zeros(3, device=device)  # smoothed loss, NLL, tokens
     plan = dataset.batch_plan(valid_data, max_tokens, seed, epoch=0, shuffle=False,
-                                max_len=model_cfg.max_len)
+                              max_len=model_cfg.max_len)
     for ids in plan[rank::world]:
         src, tgt_in, rows, targets = get_batch(valid_data, ids)
         with autocast:

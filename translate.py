@@ -264,10 +264,10 @@ def load_model(args, ct2):
     if ct2:
         model, enc = export_ct2.load_ct2(args.ckpt, args.device, args.ct2_compute_type)
         return model, enc, None
-    if not args.average_last and os.path.isdir(args.ckpt):
-        checkpoint.fail(f"--ckpt {args.ckpt} is a folder: give a checkpoint file in it, or "
-                        f"--average-last N to average its newest ckpt_STEP.pt")
     if not args.average_last:
+        if os.path.isdir(args.ckpt):
+            checkpoint.fail(f"--ckpt {args.ckpt} is a folder: give a checkpoint file in it, or "
+                            f"--average-last N to average its newest ckpt_STEP.pt")
         return checkpoint.load_checkpoint(args.ckpt, args.device)
     paths = checkpoint.newest_checkpoints(args.ckpt, args.average_last)
     names = ', '.join(os.path.basename(q) for q in paths)

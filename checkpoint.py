@@ -5,7 +5,7 @@ Checkpoints and run folders, shared by train.py, translate.py, export_ct2.py and
   architecture it trains, whether it can resume with the settings given, and putting a training
   state back (optimizer, generators);
 - reading, listing and averaging checkpoints (section 6.1);
-- loading a model for translation, with the check that the tokenizer is the model's own.
+- loading a model for translation, with a check that its tokenizer fits it (size and specials).
 docs/formats.md describes the files.
 """
 import contextlib
@@ -291,7 +291,8 @@ def check_resume(state, config, fine_tuned_from, train_split, out_dir):
             fixed.append(f.name)
     changed = []
     for key in fixed:
-        # A setting newer than the state: its run had the default.
+        # A model setting newer than the state: its run had Config's default. Any other setting
+        # missing from it reads as None, which differs: refused.
         was = state['config'].get(key, getattr(M.Config, key, None))
         if config[key] != was:
             changed.append(f"{key}={config[key]!r} (the run's: {was!r})")
@@ -436,7 +437,7 @@ def checkpoints(folder, prefix='ckpt'):
 
 def average_checkpoints(paths):
     """Section 6.1: the checkpoints' mean weights (summed in float64), refused for checkpoints of
-    different runs."""
+    another tokenizer, architecture or parameter names."""
     total, first = {}, None
     for p in paths:
         ckpt = read_checkpoint(p, keys=('model',))
@@ -468,7 +469,8 @@ def warn(msg):
 
 
 def check_tokenizer(path, cfg, enc):
-    # A model trained with another tokenizer would silently produce garbage: refuse it instead.
+    # A tokenizer too large for the model, or whose specials are not the model's ids, would
+    # decode garbage: refuse it. (Another BPE of the same size passes: train.py compares them.)
     if cfg.vocab_size < enc.n_vocab:
         fail(f"{path}: model vocab_size {cfg.vocab_size} is below the tokenizer's "
              f"{enc.n_vocab} tokens")

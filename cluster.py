@@ -181,7 +181,8 @@ def one_line_on_failure(kind, error, traceback):
               f"checkpoint_activations=True", file=sys.stderr)
         exit_now(1)
     lost = isinstance(error, dist.DistError) or 'gloo' in message or 'NCCL' in message
-    if not dist.is_initialized() or not isinstance(error, RuntimeError) or not lost:
+    peer_failed = dist.is_initialized() and isinstance(error, RuntimeError) and lost
+    if not peer_failed:
         sys.__excepthook__(kind, error, traceback)
         return
     first_line = message.strip().splitlines()[0][:300]

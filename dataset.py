@@ -144,8 +144,9 @@ def pair_sizes(data):
 
 def check_sizes(train_data, valid_data, max_tokens, max_len, data_dir, log):
     """Pairs that fit no batch of max_tokens, and validation pairs over the model's max_len, are
-    left out with a warning; a split of which none fits, or a kept training pair over max_len, is
-    an error."""
+    left out of training and of the validation loss, with a warning (validation BLEU leaves out
+    sources over max_len); a split of which none fits, or a kept training pair over max_len, is an
+    error."""
     for split, data in (('training', train_data), ('validation', valid_data)):
         sizes = pair_sizes(data)
         if len(sizes) and sizes.min() > max_tokens:
@@ -159,7 +160,7 @@ def check_sizes(train_data, valid_data, max_tokens, max_len, data_dir, log):
                      f"tokens (with EOS)")
         if too_long.any():
             log(f"warning: {too_long.sum()} validation pairs are over the model's "
-                f"max_len={max_len} tokens (with EOS) and are left out")
+                f"max_len={max_len} tokens (with EOS) and are left out of the validation loss")
         too_big = (sizes > max_tokens) & ~too_long
         if too_big.any():
             log(f"warning: {too_big.sum()} {split} pairs need more than max_tokens={max_tokens} "

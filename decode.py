@@ -35,7 +35,8 @@ def length_penalty(length, alpha):  # Wu et al. (2016), as the paper: lp(Y) = ((
 
 
 def max_lengths(model, src, max_len_a, max_len_b):
-    # int(a * |src| + b) as Python computes it, in float64
+    # int(a * |src| + b) as Python computes it, in float64; at least 1 and within the positional
+    # table (translate.py warns where this lowers a limit)
     src_len = (src != model.cfg.pad_id).sum(1)
     limit = float(max_len_a) * src_len.double() + float(max_len_b)
     return limit.clamp(1, model.cfg.max_len - 1).long()
@@ -93,7 +94,8 @@ def greedy_decode(model, src, max_len_a=1.0, max_len_b=50):
 
 
 def top_tokens(logp, n):
-    """logp.topk(n, dim=1), faster: a row's n best lie in the n best of its 8 column groups."""
+    """logp.topk(n, dim=1), faster: a row's n best lie in the n best of its V/8 column groups
+    (j, j + V/8, ..., 8 columns each), ranked by their maxima."""
     R, V = logp.shape
     if V % 8 or V // 8 < n:
         return logp.topk(n, dim=1)

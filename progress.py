@@ -50,7 +50,8 @@ def report(sums, out_dir, master, max_bad_steps, **values):
 
 
 def stop_if_diverged(sums, max_bad_steps):
-    """Every rank reads the same count (the gradient norm is all-reduced): all stop together."""
+    """Every rank reads the same count (each takes the norm of the same all-reduced gradients):
+    all stop together."""
     worst_run = int(sums['worst_run'].item())
     if worst_run >= max_bad_steps:
         sys.exit(f"{worst_run} non-finite updates in a row: lower the learning rate, "
@@ -69,7 +70,7 @@ def log_line(sums, out_dir, step, epoch, lr, grad_norm, elapsed, eta, interval):
     """The line and its record, of the updates since the last one; they took interval seconds."""
     tokens = sums['tokens']
     loss = sums['loss'].item() / tokens
-    ppl = math.exp(min(sums['nll'].item() / tokens, 50))
+    ppl = math.exp(min(sums['nll'].item() / tokens, 50))  # a diverged run's exp would overflow
     grad_norm = grad_norm.item()
     print(f"step {step} | epoch {epoch} | loss {loss:.3f} | ppl {ppl:.2f} | lr {lr:.2e} | "
           f"gnorm {grad_norm:.2f} | {tokens / interval:,.0f} tgt tok/s | "

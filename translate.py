@@ -52,7 +52,7 @@ def encode_sources(enc, cfg, lines, first_line):
 
 def warn_at_limit(cfg, srcs, batch, out, max_len_a, max_len_b, first_line):
     # The output cap a * |src| + b is lowered to the positional table where it must be
-    # (model.max_lengths), as fairseq does; a translation that reaches the table is named.
+    # (decode.max_lengths), as fairseq does; a translation that reaches the table is named.
     for i, hyps in zip(batch, out):
         cap = int(max_len_a * len(srcs[i]) + max_len_b)
         if cap > cfg.max_len - 1 and len(hyps[0][0]) >= cfg.max_len - 2:
@@ -77,9 +77,9 @@ def translate_lines(model, enc, lines, beam=4, alpha=0.6, max_len_a=1, max_len_b
     """Yields one result per line of `lines`, in input order, each as soon as it and all lines
     before it are decoded: the hypothesis string, or with nbest > 1 a list of (score, string), best
     first. Sources are length-sorted and batched to at most max_tokens padded source tokens. dtype:
-    autocast to it (None leaves the caller's as it is). Empty lines give ''; over-long ones are
-    truncated with a warning. stats, a dict, gets 'sentences', 'src_tokens' and 'tgt_tokens' (of the
-    best hypotheses) added."""
+    autocast to it (None leaves the caller's as it is). Empty lines give '' (with nbest > 1,
+    [(0.0, '')]); over-long ones are truncated with a warning. stats, a dict, gets 'sentences',
+    'src_tokens' and 'tgt_tokens' (of the best hypotheses) added."""
     width = 1 if greedy else beam
     if nbest > width:
         raise ValueError(f"nbest {nbest} needs a beam at least that wide")
@@ -190,7 +190,8 @@ def arg_parser():
     p.add_argument('--exact', action='store_true', help="decode a sentence until no live beam can "
                    "beat its finished ones (slower); default: stop once `beam` hypotheses "
                    "finished, as fairseq does")
-    p.add_argument('--early-stop', action='store_true', help=argparse.SUPPRESS)  # the default
+    # accepted for old commands; stopping early is the default (--exact turns it off)
+    p.add_argument('--early-stop', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--max-tokens', type=int, default=4096, help="padded source tokens per batch")
     p.add_argument('--average-last', type=int, default=0,
                    help="average the newest N ckpt_STEP.pt first")

@@ -161,9 +161,10 @@ def settings_differ(path, given, defaults):
     # checkpoint, or ('auto') from scratch.
     init_from = given['init_from']
     tuned_from = state.get('fine_tuned_from')
-    began_alike = same_file(init_from, tuned_from)
     if init_from == 'auto':
         began_alike = tuned_from is None
+    else:
+        began_alike = same_file(init_from, tuned_from)
     if not began_alike:
         was = tuned_from or 'scratch'
         differ.append(f"init_from={init_from!r} (the run began from {was!r})")
@@ -287,7 +288,7 @@ def check_resume(state, config, fine_tuned_from, train_split, out_dir):
     anyway), optimizer, batch plan and training pairs; other settings (max_steps, lr) may change."""
     fixed = ['beta1', 'beta2', 'adam_eps', 'weight_decay', 'seed', 'max_tokens']
     for f in dataclasses.fields(M.Config):
-        if f.name in config and (not fine_tuned_from or 'drop' in f.name):
+        if f.name in config and (not fine_tuned_from or f.name in ('dropout', 'attn_dropout')):
             fixed.append(f.name)
     changed = []
     for key in fixed:
@@ -347,7 +348,8 @@ def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_ty
     step, epoch, next batch, training seconds and best validation BLEU."""
     step = state['step']
     load_optimizer_state(optimizer, state, path)
-    if state['scaler'] and scaler.is_enabled():  # else the scaler is off and its state empty
+    # The scaler runs for float16 alone: a float16 state resumed in bf16 or float32 needs no scale.
+    if state['scaler'] and scaler.is_enabled():
         scaler.load_state_dict(state['scaler'])
     if not restore_rng(state['rng'], rank, world, device_type):
         # The generators were saved per rank: another number of ranks cannot go on with them.

@@ -81,12 +81,12 @@ def wrap_ddp(model, device_type):
     return DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
 
 
-def gather(obj, ddp, world, group=None):
+def gather(obj, ddp, world):
     """Every rank's obj, in rank order."""
     if not ddp:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, obj)
     return out
 
 

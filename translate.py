@@ -219,9 +219,9 @@ def check_options(p, args):
         p.error("--paper-bleu needs --ref")
     if args.save_average and not args.average_last:
         p.error("--save-average needs --average-last")
-    same_file = os.path.abspath(args.save_average or '') == os.path.abspath(args.output or '')
-    if args.save_average and same_file:
-        p.error("--save-average and --output name one file")
+    if args.save_average and args.output:
+        if os.path.abspath(args.save_average) == os.path.abspath(args.output):
+            p.error("--save-average and --output name one file")
 
 
 def check_device(p, device, ct2):

@@ -334,6 +334,11 @@ def test_an_output_that_is_an_input_or_a_folder_is_refused(toy, tmp_path, capsys
         with pytest.raises(SystemExit) as e:
             T.main(['--ckpt', str(ckpt), '--input', src, *flags])
         assert e.value.code == 2 and f'{flags[-2]} {flags[-1]}' in capsys.readouterr().err, flags
+    avg = str(tmp_path / 'avg.pt')
+    with pytest.raises(SystemExit) as e:
+        T.main(['--ckpt', str(tmp_path), '--input', src, '--average-last', '1',
+                '--save-average', avg, '--output', avg])
+    assert e.value.code == 2 and 'name one file' in capsys.readouterr().err
     assert open(src).read() == 'alpha beta\n' and checkpoint.read_checkpoint(str(ckpt))
     assert not os.listdir(folder) and sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'src', 'sub']
     snapshot = tmp_path / 'ckpt_0000001.pt'

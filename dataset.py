@@ -84,8 +84,8 @@ def open_prepared(data_dir):
 
 
 def load_split(data_dir, split):
-    """-> memory-mapped src tokens, src offsets, tgt tokens, tgt offsets;
-    sentence i is tokens[offsets[i]:offsets[i + 1]]."""
+    """-> src tokens, src offsets, tgt tokens, tgt offsets (the tokens memory-mapped, the offsets
+    read); sentence i is tokens[offsets[i]:offsets[i + 1]]."""
     damaged = f'error: {data_dir} is incomplete or damaged ({split}'
     try:
         meta = load_meta(data_dir)

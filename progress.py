@@ -24,6 +24,7 @@ def new_sums(device):
 def count_update(sums, ntok, bad):
     """An update's target tokens, and whether its gradients were non-finite (a 0-d bool tensor)."""
     sums['tokens'] += ntok
+    # on the device, no wait for the host: the run grows by one, or restarts at 0 if bad is False
     sums['bad_run'] = (sums['bad_run'] + 1) * bad
     sums['worst_run'] = torch.maximum(sums['worst_run'], sums['bad_run'])
     sums['skipped'] = sums['skipped'] + bad
@@ -58,7 +59,7 @@ def stop_if_diverged(sums, max_bad_steps):
                  f"use dtype='bfloat16' or 'float32', or set clip_grad")
 
 
-def eta(step, max_steps, elapsed, max_minutes):
+def time_left(step, max_steps, elapsed, max_minutes):
     """Seconds left, by the steps or the time budget that ends the run first."""
     left = (max_steps - step) * elapsed / step
     if max_minutes > 0:

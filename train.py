@@ -344,7 +344,7 @@ while step < max_steps:
         max_steps = step
         log_step = True
     if log_step:
-        eta = progress.eta(step, max_steps, elapsed, max_minutes)
+        eta = progress.time_left(step, max_steps, elapsed, max_minutes)
         progress.report(sums, out_dir, master, max_bad_steps, step=step, epoch=epoch, lr=lr_now,
                         grad_norm=grad_norm, elapsed=elapsed, eta=eta,
                         interval=time.time() - t_last)

@@ -238,8 +238,8 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # As tensor2tensor: Xavier-uniform per matrix of the paper (W^Q, W^K, W^V each its own bound
-        # in a fused projection), biases zero, embeddings N(0, d_model^-0.5): unit variance after
+        # As tensor2tensor: Xavier-uniform per projection of all heads (W^Q, W^K, W^V each its own
+        # bound in a fused one), biases zero, embeddings N(0, d_model^-0.5): unit variance after
         # the sqrt(d_model) of section 3.4.
         fused = {'qkv_proj': 3, 'kv_proj': 2}
         for name, m in self.named_modules():

@@ -90,7 +90,9 @@ defaults = {k: globals()[k] for k in config_keys}
 config = configurator.override(dict(defaults), sys.argv[1:])
 globals().update(config)
 configurator.check_ranges(config)
-given_config = dict(config)  # before fine-tuning changes config: the same command continues its run
+# the settings as given, before a fine-tune puts its checkpoint's architecture in config: a run
+# goes on only under the command that began it (checkpoint.open_run)
+given_config = dict(config)
 
 # -----------------------------------------------------------------------------
 # processes, device and precision
@@ -156,7 +158,8 @@ if start == 'resume':
 del state  # its tensors are in the model and optimizer now
 
 
-if cuda_graphs:  # the longest sentence a packed row must hold, a power of 2
+graph_len = None  # cuda_graphs: the longest sentence a packed row must hold, a power of 2
+if cuda_graphs:
     graph_len = speed.graph_length(dataset.pair_sizes(train_data).max(), model_cfg.max_len)
 
 

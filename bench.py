@@ -199,7 +199,7 @@ def bench_train(cfg, impl, compiled, dtype, batches, warmup, device, profile=Fal
                                                 settings['label_smoothing'], chunk_fn)
             (loss / len(rows)).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            opt.found_inf = (~torch.isfinite(grad_norm)).float()  # train.py skips such updates
+            M.skip_if_non_finite(opt, grad_norm)  # as train.py
             opt.step()
             opt.zero_grad(set_to_none=True)
 

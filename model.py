@@ -397,6 +397,15 @@ def configure_optimizer(model, lr, betas, eps, weight_decay):
                              fused=True)
 
 
+def skip_if_non_finite(optimizer, grad_norm):
+    """A non-finite gradient norm (the same on every rank) makes the optimizer's next step a no-op,
+    as fp16's GradScaler does (with fp16 the scaler sets the flag itself, from the same gradients).
+    -> the flag, a 0-d bool tensor on the device."""
+    bad = ~torch.isfinite(grad_norm)
+    optimizer.found_inf = bad.float()  # read by the fused update (configure_optimizer)
+    return bad
+
+
 # -----------------------------------------------------------------------------------------------
 # The KV cache: decode.py feeds the decoder one new position at a time
 

@@ -351,6 +351,21 @@ def test_the_loss_under_no_grad_computes_no_gradients():
     assert flops == [2 * 6 * 8 * 40, 3 * 2 * 6 * 8 * 40]  # the logits; with grad, d/dx and d/dW too
 
 
+def test_a_non_finite_gradient_norm_makes_the_optimizer_step_a_no_op():
+    model = tiny()
+    opt = M.configure_optimizer(model, lr=1e-2, betas=(0.9, 0.98), eps=1e-9, weight_decay=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    for norm, skipped in ((math.inf, True), (math.nan, True), (3.0, False)):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        assert M.skip_if_non_finite(opt, torch.tensor(norm)).item() == skipped
+        opt.step()
+        same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert same == skipped  # weights (and their decay) untouched only on a skip
+        moments = [s['exp_avg'].abs().sum().item() for s in opt.state.values()]
+        assert (max(moments) == 0) == skipped
+
+
 @pytest.mark.parametrize('d_head', [0, 4])
 def test_init_is_xavier_per_matrix_of_the_paper(d_head):
     # Q, K and V each Xavier as their own d x h d_k matrix; the FFN and output projections plain.

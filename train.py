@@ -324,10 +324,7 @@ while step < max_steps:
     # the norm is taken anyway: the log shows it, and it finds non-finite updates
     max_norm = clip_grad if clip_grad > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
-    # A non-finite norm (the same on every rank) skips the update, as fp16's scaler does: the
-    # fused optimizer reads found_inf (model.configure_optimizer).
-    bad = ~torch.isfinite(grad_norm)
-    optimizer.found_inf = bad.float()
+    bad = M.skip_if_non_finite(optimizer, grad_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)

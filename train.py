@@ -118,8 +118,8 @@ speed.configure_backends(device_type, dtype, checkpoint_activations)
 # A CUDA graph casts the weights in its replays: autocast must not cache the casts.
 autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
                           cache_enabled=not cuda_graphs)
-# start: init_from, 'auto' resolved by what out_dir holds
-start, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
+# 'auto' resolved by what out_dir holds: 'scratch', 'resume', or the checkpoint to fine-tune
+init_from, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
 # -----------------------------------------------------------------------------
 # data: the token files data_prep.py writes
@@ -131,7 +131,7 @@ valid_data = dataset.load_split(data_dir, 'valid')
 
 # -----------------------------------------------------------------------------
 # model and optimizer, from scratch or from the state to resume or the checkpoint to fine-tune
-state, init_path, fine_tuned_from = checkpoint.initial_state(start, out_dir, config, meta,
+state, init_path, fine_tuned_from = checkpoint.initial_state(init_from, out_dir, config, meta,
                                                               tokenizer, log)
 # Fine-tuning keeps the checkpoint's architecture: read it from model_cfg, not the settings.
 model_cfg = checkpoint.model_config(state, fine_tuned_from, config, meta, enc.n_vocab, log)
@@ -152,7 +152,7 @@ epoch = 0
 batch_idx = 0  # the next batch of the epoch's plan
 elapsed = 0.0  # training seconds so far, a resumed run's included
 best_bleu = -1.0
-if start == 'resume':
+if init_from == 'resume':
     step, epoch, batch_idx, elapsed, best_bleu = checkpoint.resume(
         state, init_path, optimizer, scaler, out_dir, seed, rank, world, device_type, log)
 del state  # its tensors are in the model and optimizer now
@@ -185,7 +185,7 @@ def this_ranks_batches(updates):
 updates = dataset.updates(train_data, max_tokens, seed, world, update_freq, epoch, batch_idx)
 batches = dataset.prefetched(this_ranks_batches(updates))  # a thread makes them during a step
 # An old run's files go only now that every input loaded.
-if start != 'resume' and run_files:
+if init_from != 'resume' and run_files:
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
 # -----------------------------------------------------------------------------

@@ -414,6 +414,27 @@ def read_checkpoint(path, keys=('model', 'model_cfg', 'tokenizer'), mmap=False):
     return ckpt
 
 
+def load_weights(model, weights, path):
+    """model.load_state_dict(weights), or one line naming the parameters that do not fit: model.py
+    changed since checkpoint path was saved."""
+    own = model.state_dict()
+    wrong = []
+    missing = [name for name in own if name not in weights]
+    if missing:
+        wrong.append('missing ' + ', '.join(missing[:3]))
+    unexpected = [name for name in weights if name not in own]
+    if unexpected:
+        wrong.append('unexpected ' + ', '.join(unexpected[:3]))
+    resized = [name for name in own if name in weights and own[name].shape != weights[name].shape]
+    if resized:
+        wrong.append('other shapes ' + ', '.join(resized[:3]))
+    if wrong:
+        fail(f"{path} does not fit this model.py ({'; '.join(wrong)}): model.py has changed since "
+             f"it was saved; undo the change, or train a new model (train.py: another out_dir, or "
+             f"--overwrite=True)")
+    model.load_state_dict(weights)
+
+
 def checkpoint_tokenizer(path, ckpt):
     """A checkpoint's tokenizer dict: embedded, or the file or data folder it names (maybe relative
     to the checkpoint's folder)."""
@@ -505,13 +526,13 @@ def load_checkpoint(path, device='cpu', state_dict=None):
             raise ValueError(f"d_model={cfg.d_model} is not a multiple of n_heads={cfg.n_heads}")
         enc = dataset.load_tokenizer(checkpoint_tokenizer(path, ckpt))
         model = M.Transformer(cfg)
-        if state_dict is None:
-            state_dict = ckpt['model']
-        model.load_state_dict(state_dict)
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
         reason = ' '.join(str(e).split())[:200]
         fail(f"{path}: its model_cfg, tokenizer and weights do not fit "
              f"({type(e).__name__}: {reason})")
+    if state_dict is None:
+        state_dict = ckpt['model']
+    load_weights(model, state_dict, path)
     check_tokenizer(path, cfg, enc)
     default_lenpen(ckpt, path)
     return model.to(device).eval(), enc, ckpt

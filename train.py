@@ -141,7 +141,7 @@ if problem:
 dataset.check_sizes(train_data, valid_data, max_tokens, model_cfg.max_len, data_dir, log)
 raw_model = M.Transformer(model_cfg).to(device)
 if state is not None:
-    raw_model.load_state_dict(state['model'])
+    checkpoint.load_weights(raw_model, state['model'], init_path)
 if device_type == 'cpu':  # dropout masks from rand_like: twice as fast as bernoulli_ on a CPU
     speed.cpu_dropout(raw_model)
 optimizer = M.configure_optimizer(raw_model, lr=0.0, betas=(beta1, beta2), eps=adam_eps,

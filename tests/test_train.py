@@ -1010,6 +1010,25 @@ def test_a_state_saved_before_weight_decay_is_refused_in_one_line(run, data_dir,
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
+def test_weights_that_no_longer_fit_model_py_are_one_line_naming_the_parameters(run, data_dir,
+                                                                              tmp_path):
+    # A forker changes model.py (a parameter added, one removed) and reruns: resuming the run, or
+    # fine-tuning from its checkpoint, cannot load the old weights.
+    out = copy_run(run, tmp_path)
+    for name in ('state_0000006.pt', 'ckpt.pt'):
+        ckpt = torch.load(out / name, weights_only=False)
+        ckpt['model']['encoder.0.ffn.gain'] = ckpt['model'].pop('encoder.0.ffn.w1.bias')
+        torch.save(ckpt, out / name)
+    resume = ['--max_steps=8', '--init_from=resume', '--save_interval=3', '--dropout=0.1',
+              '--bleu_interval=0']
+    fine_tune = [f'--init_from={out / "ckpt.pt"}', '--max_steps=2']
+    errs = refused((resume, out, data_dir), (fine_tune, tmp_path / 'tuned', data_dir))
+    for name, err in zip(('state_0000006.pt', 'ckpt.pt'), errs):
+        assert f"{name} does not fit this model.py" in err
+        assert 'missing encoder.0.ffn.w1.bias' in err
+        assert 'unexpected encoder.0.ffn.gain' in err
+
+
 # --- a run on a cluster: preempted, restarted, on two nodes ---------------------------------------
 
 STOPPER = '''

@@ -418,16 +418,16 @@ def load_weights(model, weights, path):
     """model.load_state_dict(weights), or one line naming the parameters that do not fit: model.py
     changed since checkpoint path was saved."""
     own = model.state_dict()
-    wrong = []
     missing = [name for name in own if name not in weights]
-    if missing:
-        wrong.append('missing ' + ', '.join(missing[:3]))
     unexpected = [name for name in weights if name not in own]
-    if unexpected:
-        wrong.append('unexpected ' + ', '.join(unexpected[:3]))
     resized = [name for name in own if name in weights and own[name].shape != weights[name].shape]
-    if resized:
-        wrong.append('other shapes ' + ', '.join(resized[:3]))
+    wrong = []
+    kinds = (('missing', missing), ('unexpected', unexpected), ('other shapes', resized))
+    for kind, names in kinds:
+        if len(names) > 3:
+            names = names[:3] + [f'{len(names) - 3} more']
+        if names:
+            wrong.append(f"{kind} {', '.join(names)}")
     if wrong:
         fail(f"{path} does not fit this model.py ({'; '.join(wrong)}): model.py has changed since "
              f"it was saved; undo the change, or train a new model (train.py: another out_dir, or "

@@ -11,6 +11,7 @@ docs/formats.md describes the files.
 import contextlib
 import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -108,6 +109,9 @@ def lock_folder(folder, busy=None):
 
 # --- the run folder of train.py ------------------------------------------------------------------
 
+# The files a reader edits: a run goes on only under the code it began with, else a rerun after
+# an edit would put the old run's weights under the new code.
+CODE_FILES = ('model.py', 'train.py')
 RUN_FILE = re.compile(r'log\.jsonl|(ckpt|state)\w*\.pt')
 held_locks = []  # open until the process ends
 
@@ -135,7 +139,7 @@ def open_run(out_dir, init_from, overwrite, master, given, defaults):
         differ = settings_differ(states[-1], given, defaults)
         if not differ:
             return 'resume', run_files
-        sys.exit(f"out_dir {out_dir} holds a run of other settings ({', '.join(differ[:3])}): "
+        sys.exit(f"out_dir {out_dir} holds a run that differs ({', '.join(differ[:3])}): "
                  f"continue it with --init_from=resume, use another --out_dir, "
                  f"or start over with --overwrite=True (deletes it)")
     # A run killed before its first state (validation BLEU may have written ckpt_best.pt): nothing
@@ -151,9 +155,20 @@ def open_run(out_dir, init_from, overwrite, master, given, defaults):
              f"or start over with --overwrite=True (deletes it)")
 
 
+def code_digests():
+    """{name: SHA-256} of CODE_FILES as they are now."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digests = {}
+    for name in CODE_FILES:
+        with open(os.path.join(here, name), 'rb') as f:
+            digests[name] = hashlib.sha256(f.read()).hexdigest()
+    return digests
+
+
 def settings_differ(path, given, defaults):
-    """The settings of a training state's run that differ from those given. A setting newer than
-    the state: its run had the default."""
+    """The settings and code files of a training state's run that differ from those given and
+    these. A setting newer than the state: its run had the default; a state older than the digests
+    is not compared."""
     state = read_checkpoint(path, keys=('config',), mmap=True)
     saved = state.get('given_config', state['config'])
     differ = []
@@ -175,6 +190,10 @@ def settings_differ(path, given, defaults):
         if value != was:
             # the command's, not the model's: a fine-tune keeps its checkpoint's architecture
             differ.append(f"{key}={value!r} (the run's command: {was!r})")
+    saved_code = state.get('code', {})
+    for name, digest in code_digests().items():
+        if saved_code.get(name, digest) != digest:
+            differ.append(f"{name} changed since the run began")
     return differ
 
 
@@ -339,7 +358,7 @@ def model_config(state, fine_tuned_from, config, meta, tokenizer_size, log):
 
 # What train.py's training state holds beyond a weights snapshot's keys
 TRAINING_KEYS = ('optimizer', 'scaler', 'epoch', 'rng', 'next_batch', 'best_bleu', 'elapsed',
-                 'train_split')
+                 'train_split', 'code')
 
 
 def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_type, log):

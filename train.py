@@ -90,9 +90,10 @@ defaults = {k: globals()[k] for k in config_keys}
 config = configurator.override(dict(defaults), sys.argv[1:])
 globals().update(config)
 configurator.check_ranges(config)
-# the settings as given, before a fine-tune puts its checkpoint's architecture in config: a run
-# goes on only under the command that began it (checkpoint.open_run)
+# the settings as given, before a fine-tune puts its checkpoint's architecture in config, and the
+# code as read: a run goes on only under the command and code that began it (checkpoint.open_run)
 given_config = dict(config)
+code = checkpoint.code_digests()
 
 # -----------------------------------------------------------------------------
 # processes, device and precision
@@ -265,7 +266,7 @@ def save(path, full=False, **extra):
         rng = cluster.gather(checkpoint.rng_state(device_type), ddp, world)
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch,
                     rng=rng, next_batch=batch_idx, best_bleu=best_bleu, elapsed=clock,
-                    train_split=meta['splits']['train'])
+                    train_split=meta['splits']['train'], code=code)
     if master:
         checkpoint.save_atomic(ckpt, path)
 

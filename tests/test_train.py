@@ -1237,6 +1237,23 @@ def test_a_fine_tune_command_continues_only_a_run_fine_tuned_from_its_checkpoint
     assert 'resuming from' in res.stdout
 
 
+def test_the_same_command_does_not_go_on_with_a_run_begun_under_another_model_py(run, data_dir,
+                                                                              tmp_path):
+    # A reader changes model.py and reruns the command: going on would put the old run's weights
+    # under the new code (and a finished run would only be evaluated again).
+    out = copy_run(run, tmp_path)
+    path = out / 'state_0000006.pt'
+    state = torch.load(path, weights_only=False)
+    state.setdefault('code', {})['model.py'] = 'another'
+    torch.save(state, path)
+    (err,) = refused((SHARED['run'][0], out, data_dir))
+    assert 'model.py changed since the run began' in err
+    res = train(SHARED['run'][0] + ['--init_from=resume'], out, data_dir)  # said: it goes on
+    assert 'resuming from' in res.stdout
+    saved = torch.load(run[0] / 'state_0000006.pt', weights_only=True)['code']
+    assert saved == checkpoint.code_digests()  # both files, as this process reads them
+
+
 def test_a_used_out_dir_names_the_settings_its_runs_command_gave(run):
     # A fine-tune's command may give an architecture its checkpoint overrides: the refusal says
     # what the command gave, not what the model is.

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import sacrebleu
 import torch
+import torch.nn.functional as F
 
 import checkpoint
 import data_prep
@@ -547,6 +548,24 @@ def test_packed_weights_decode_as_the_plain_model_and_are_removed_on_exit(toy, m
         assert not patched(model)
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16), speed.packed_weights(model):
         assert not patched(model)  # nor autocast
+
+
+@needs_packing
+def test_packed_weights_follow_an_edited_feed_forward_and_output(monkeypatch):
+    # A reader who changes the FFN's activation or the output projection decodes what they wrote.
+    torch.manual_seed(0)
+    cfg = M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=32, d_ff=64, n_heads=4,
+                   dropout=0.0, max_len=64)
+    m = M.Transformer(cfg).eval()
+    monkeypatch.setattr(M.FeedForward, 'forward', lambda self, x: self.w2(F.gelu(self.w1(x))))
+    monkeypatch.setattr(M.Transformer, 'output', lambda self, x: F.linear(x, self.embed.weight) / 2)
+    src, tgt = torch.tensor([[5, 6, 7, 8, 2]]), torch.tensor([[1, 9, 10, 11]])
+    with torch.no_grad():
+        plain = m(src, tgt)
+        with speed.packed_weights(m):
+            packed = m(src, tgt)
+            assert patched(m)  # the Linear layers are still packed
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
 
 
 @needs_packing

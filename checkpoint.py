@@ -109,9 +109,9 @@ def lock_folder(folder, busy=None):
 
 # --- the run folder of train.py ------------------------------------------------------------------
 
-# The files a reader edits: a run goes on only under the code it began with, else a rerun after
-# an edit would put the old run's weights under the new code.
-CODE_FILES = ('model.py', 'train.py')
+# The code that decides what a run computes: a run goes on only under the code it began with, else
+# a rerun after an edit would put the old run's weights under the new code.
+CODE_FILES = ('model.py', 'train.py', 'dataset.py', 'speed.py', 'decode.py')
 RUN_FILE = re.compile(r'log\.jsonl|(ckpt|state)\w*\.pt')
 held_locks = []  # open until the process ends
 
@@ -140,8 +140,8 @@ def open_run(out_dir, init_from, overwrite, master, given, defaults):
         if not differ:
             return 'resume', run_files
         sys.exit(f"out_dir {out_dir} holds a run that differs ({', '.join(differ[:3])}): "
-                 f"continue it with --init_from=resume, use another --out_dir, "
-                 f"or start over with --overwrite=True (deletes it)")
+                 f"use another --out_dir, start over with --overwrite=True (deletes it), "
+                 f"or continue it as it is with --init_from=resume")
     # A run killed before its first state (validation BLEU may have written ckpt_best.pt): nothing
     # to go on from.
     no_state = set(run_files) <= {'log.jsonl', 'ckpt_best.pt'}
@@ -167,8 +167,7 @@ def code_digests():
 
 def settings_differ(path, given, defaults):
     """The settings and code files of a training state's run that differ from those given and
-    these. A setting newer than the state: its run had the default; a state older than the digests
-    is not compared."""
+    these. A setting newer than the state: its run had the default."""
     state = read_checkpoint(path, keys=('config',), mmap=True)
     saved = state.get('given_config', state['config'])
     differ = []
@@ -190,11 +189,19 @@ def settings_differ(path, given, defaults):
         if value != was:
             # the command's, not the model's: a fine-tune keeps its checkpoint's architecture
             differ.append(f"{key}={value!r} (the run's command: {was!r})")
-    saved_code = state.get('code', {})
-    for name, digest in code_digests().items():
-        if saved_code.get(name, digest) != digest:
-            differ.append(f"{name} changed since the run began")
+    differ += code_changed(state)
     return differ
+
+
+def code_changed(state):
+    """Which CODE_FILES changed since a training state's run began (a state older than the
+    digests: none known)."""
+    saved = state.get('code', {})
+    changed = []
+    for name, digest in code_digests().items():
+        if saved.get(name, digest) != digest:
+            changed.append(f"{name} changed since the run began")
+    return changed
 
 
 def same_file(path, other):
@@ -290,6 +297,8 @@ def initial_state(init_from, out_dir, config, meta, tokenizer, log):
         log(f"fine-tuning from {path} (step {state['step']})")
         return state, path, path
     log(f"resuming from {path} (step {state['step']})")
+    for change in code_changed(state):
+        log(f"warning: {change}: the run goes on under the new code")
     check_resume(state, config, state['fine_tuned_from'], meta['splits']['train'], out_dir)
     return state, path, state['fine_tuned_from']
 

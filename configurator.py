@@ -107,6 +107,17 @@ RANGES = [
 ]
 
 
+def unread_settings(config, defaults):
+    """Settings given (not their defaults) that the schedule chosen does not read."""
+    unread = []
+    if config['schedule'] == 'noam' and config['lr'] != defaults['lr']:
+        unread.append(f"lr={config['lr']} is not read by schedule='noam', whose peak is "
+                      f"lr_scale * d_model^-0.5 * warmup^-0.5 (section 5.3)")
+    if config['schedule'] != 'noam' and config['lr_scale'] != defaults['lr_scale']:
+        unread.append(f"lr_scale={config['lr_scale']} is read by schedule='noam' alone")
+    return unread
+
+
 def check_ranges(config):
     """Each of train.py's settings within its range, or one line naming it."""
     for keys, ok, what in RANGES:

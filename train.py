@@ -105,6 +105,9 @@ def log(*args, **kwargs):
         print(*args, **kwargs)
 
 
+for warning in configurator.unread_settings(config, defaults):
+    log(f"warning: {warning}")
+
 device, dtype = speed.resolve_device(device, dtype, log)
 device_type = device.split(':')[0]
 problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,

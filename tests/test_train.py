@@ -656,6 +656,21 @@ def load_settings():
     return settings
 
 
+def test_a_learning_rate_setting_the_schedule_does_not_read_gets_a_warning():
+    settings = load_settings()
+    cases = [(['--schedule=noam', '--lr=3e-3'], "lr=0.003 is not read by schedule='noam'"),
+             (['--schedule=constant', '--lr_scale=2.0'], "lr_scale=2.0 is read by schedule='noam'"),
+             (['--schedule=noam', '--lr_scale=2.0'], None),
+             (['--schedule=constant', '--lr=3e-3'], None)]
+    for flags, expected in cases:
+        config = configurator.override(dict(settings), flags)
+        unread = configurator.unread_settings(config, settings)
+        if expected is None:
+            assert unread == []
+        else:
+            assert len(unread) == 1 and expected in unread[0]
+
+
 def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_before_any_work(
         data_dir, tmp_path):
     # Each check in-process, as train.py calls it; the last before the model is built end to end.

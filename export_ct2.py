@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -142,6 +143,48 @@ def build_spec(model):
     return spec
 
 
+def check_architecture(cfg):
+    """One line where this model.py computes what CTranslate2's Transformer cannot hold (a reader
+    may have changed the activation, the embedding scale or added a parameter): a small model of
+    cfg's kind, every parameter random, exported in float32 must score tokens as model.py does."""
+    width = cfg.d_model
+    if not cfg.d_head:
+        width = 8 * cfg.n_heads
+    small = dataclasses.replace(cfg, n_enc_layers=1, n_dec_layers=1, d_model=width, d_ff=32,
+                                vocab_size=16, tokenizer_size=0, max_len=min(cfg.max_len, 16),
+                                pad_id=0, bos_id=1, eos_id=2)
+    model = M.Transformer(small).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=generator))
+    src = [5, 6, 7, 8, 9]
+    tgt = [10, 11, 12, 13]
+    names = {small.pad_id: '<pad>', small.bos_id: '<s>', small.eos_id: '</s>'}
+    tokens = [names.get(i, str(i)) for i in range(small.vocab_size)]
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            spec = build_spec(model)
+            spec.validate()
+        except (AttributeError, ValueError) as e:  # a module renamed, or of another shape
+            fail(f"this model.py's modules are not those export_ct2.py maps to CTranslate2's "
+                 f"Transformer ({type(e).__name__}: {e}): serve the checkpoint itself, "
+                 f"translate.py --ckpt CKPT")
+        spec.optimize(quantization=None)
+        spec.save(folder)
+        translator = ctranslate2.Translator(folder, device='cpu', compute_type='float32')
+        # the export appends EOS to the source, and scores the target's EOS too
+        theirs = translator.score_batch([[tokens[t] for t in src]], [[tokens[t] for t in tgt]])
+    with torch.no_grad():
+        logits = model(torch.tensor([src + [small.eos_id]]), torch.tensor([[small.bos_id] + tgt]))
+    ours = logits.log_softmax(-1)[0].gather(1, torch.tensor([tgt + [small.eos_id]]).T)[:, 0]
+    apart = (ours - torch.tensor(theirs[0].log_probs)).abs().max().item()
+    if apart > 1e-3:
+        fail(f"this model.py computes what CTranslate2's Transformer cannot hold (a test export "
+             f"scores tokens {apart:.3g} nats apart from it): serve the checkpoint itself, "
+             f"translate.py --ckpt CKPT")
+
+
 def check_replaceable(out, force):
     # What --force would not replace is refused first: advising --force where it cannot help
     # only sends the user round.
@@ -161,6 +204,7 @@ def export(model, tokenizer, out, quantization='none', force=False, info=None):
     out = os.path.normpath(out)
     if os.path.exists(out):
         check_replaceable(out, force)
+    check_architecture(model.cfg)
     spec = build_spec(model)
     spec.validate()
     spec.optimize(quantization=None if quantization == 'none' else quantization)

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import model as M
 import translate as T
@@ -58,6 +59,31 @@ def test_export_scores_each_token_as_model_py(toy, tmp_path, kw):
             logits = model(torch.tensor([s + [cfg.eos_id]]), torch.tensor([[cfg.bos_id] + t]))
         ours = logits.log_softmax(-1)[0].gather(1, torch.tensor([t + [cfg.eos_id]]).T)[:, 0]
         assert r.log_probs == pytest.approx(ours.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize('edit', ['gelu', 'gain', 'renamed'])
+def test_an_edited_model_py_that_ctranslate2_cannot_hold_is_refused(toy, tmp_path, monkeypatch,
+                                                                     edit):
+    # A reader changes the FFN's activation, adds a parameter to it, or renames a layer: the
+    # export would serve another model, with nothing said.
+    init = M.FeedForward.__init__
+
+    def with_gain(self, cfg):
+        init(self, cfg)
+        self.gain = torch.nn.Parameter(torch.ones(cfg.d_model))
+        if edit == 'renamed':
+            self.fc1 = self.w1
+            del self.w1
+    forwards = {'gelu': lambda self, x: self.w2(F.gelu(self.w1(x))),
+                'gain': lambda self, x: self.gain * self.w2(F.relu(self.w1(x))),
+                'renamed': lambda self, x: self.w2(F.relu(self.fc1(x)))}
+    monkeypatch.setattr(M.FeedForward, '__init__', with_gain)
+    monkeypatch.setattr(M.FeedForward, 'forward', forwards[edit])
+    model = M.Transformer(toy['model'].cfg).eval()
+    with pytest.raises(SystemExit, match='serve the checkpoint itself') as e:
+        E.export(model, toy['d'], str(tmp_path / 'ct2'))
+    assert edit != 'renamed' or "modules are not those export_ct2.py maps" in str(e.value)
+    assert not os.listdir(tmp_path)
 
 
 def test_float32_export_decodes_as_model_py(toy):

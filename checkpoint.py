@@ -367,7 +367,7 @@ def model_config(state, fine_tuned_from, config, meta, tokenizer_size, log):
 
 # What train.py's training state holds beyond a weights snapshot's keys
 TRAINING_KEYS = ('optimizer', 'scaler', 'epoch', 'rng', 'next_batch', 'best_bleu', 'elapsed',
-                 'train_split', 'code')
+                 'train_split')
 
 
 def resume(state, path, optimizer, scaler, out_dir, seed, rank, world, device_type, log):
@@ -457,8 +457,8 @@ def load_weights(model, weights, path):
         if names:
             wrong.append(f"{kind} {', '.join(names)}")
     if wrong:
-        fail(f"{path} does not fit this model.py ({'; '.join(wrong)}): model.py has changed since "
-             f"it was saved; undo the change, or train a new model (train.py: another out_dir, or "
+        fail(f"{path} does not fit this model.py ({'; '.join(wrong)}): was model.py changed since "
+             f"it was saved? Undo the change, or train a new model (train.py: another out_dir, or "
              f"--overwrite=True)")
     model.load_state_dict(weights)
 
@@ -561,6 +561,9 @@ def load_checkpoint(path, device='cpu', state_dict=None):
     if state_dict is None:
         state_dict = ckpt['model']
     load_weights(model, state_dict, path)
+    trained_under = ckpt.get('code', {}).get('model.py')
+    if trained_under is not None and trained_under != code_digests()['model.py']:
+        warn(f"model.py has changed since {path} was trained: it computes with the new code")
     check_tokenizer(path, cfg, enc)
     default_lenpen(ckpt, path)
     return model.to(device).eval(), enc, ckpt

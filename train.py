@@ -264,12 +264,13 @@ def save(path, full=False, **extra):
     """Weights, or with full a training state with every rank's random generators."""
     ckpt = {'model': raw_model.state_dict(), 'model_cfg': asdict(model_cfg),
             'tokenizer': tokenizer, 'step': step, 'config': config, 'data_dir': data_dir,
-            'fine_tuned_from': fine_tuned_from, 'given_config': given_config, **extra}
+            'fine_tuned_from': fine_tuned_from, 'given_config': given_config, 'code': code,
+            **extra}
     if full:
         rng = cluster.gather(checkpoint.rng_state(device_type), ddp, world)
         ckpt.update(optimizer=optimizer.state_dict(), scaler=scaler.state_dict(), epoch=epoch,
                     rng=rng, next_batch=batch_idx, best_bleu=best_bleu, elapsed=clock,
-                    train_split=meta['splits']['train'], code=code)
+                    train_split=meta['splits']['train'])
     if master:
         checkpoint.save_atomic(ckpt, path)
 

@@ -490,6 +490,19 @@ def test_bad_checkpoints_are_one_line_errors_naming_the_file(toy, tmp_path):
     assert not (tmp_path / 'hyp').exists()
 
 
+def test_a_checkpoint_trained_under_another_model_py_is_translated_with_a_warning(toy, tmp_path,
+                                                                                   capsys):
+    # A reader who edits model.py and translates an older checkpoint gets other outputs: said.
+    base = torch.load(toy['ckpt'], weights_only=True)
+    now = checkpoint.code_digests()['model.py']
+    for digest, warned in ((now, False), ('another', True)):
+        torch.save({**base, 'code': {'model.py': digest}}, tmp_path / 'ckpt.pt')
+        capsys.readouterr()
+        assert translate(toy, tmp_path, '--greedy', ckpt=str(tmp_path / 'ckpt.pt'))
+        err = capsys.readouterr().err
+        assert ('warning: model.py has changed since' in err) == warned
+
+
 def test_interactive_terminal_translates_each_line_as_typed(toy):
     master, slave = pty.openpty()
     p = script(['--ckpt', toy['ckpt']], stdin=slave, stderr=subprocess.DEVNULL)

@@ -30,6 +30,7 @@ import decode
 import model as M
 import speed
 import translate as T
+from test_model import tiny
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the root: the scripts
 WORDS = 'alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omicron'.split()
@@ -566,10 +567,7 @@ def test_packed_weights_decode_as_the_plain_model_and_are_removed_on_exit(toy, m
 @needs_packing
 def test_packed_weights_follow_an_edited_feed_forward_and_output(monkeypatch):
     # A reader who changes the FFN's activation or the output projection decodes what they wrote.
-    torch.manual_seed(0)
-    cfg = M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=32, d_ff=64, n_heads=4,
-                   dropout=0.0, max_len=64)
-    m = M.Transformer(cfg).eval()
+    m = tiny(n_enc_layers=1, n_dec_layers=1)
     monkeypatch.setattr(M.FeedForward, 'forward', lambda self, x: self.w2(F.gelu(self.w1(x))))
     monkeypatch.setattr(M.Transformer, 'output', lambda self, x: F.linear(x, self.embed.weight) / 2)
     src, tgt = torch.tensor([[5, 6, 7, 8, 2]]), torch.tensor([[1, 9, 10, 11]])
@@ -585,10 +583,7 @@ def test_packed_weights_follow_an_edited_feed_forward_and_output(monkeypatch):
 def test_packed_weights_are_reused_until_a_weight_changes(monkeypatch):
     # translate_lines keeps the copies across its batches; a caller may train the model between two
     # lines.
-    torch.manual_seed(0)
-    cfg = M.Config(vocab_size=24, n_enc_layers=1, n_dec_layers=1, d_model=32, d_ff=64, n_heads=4,
-                   dropout=0.0, max_len=64)
-    m = M.Transformer(cfg).eval()
+    m = tiny(n_enc_layers=1, n_dec_layers=1)
     real, packs, reuse = torch.ops.mkldnn._reorder_linear_weight, [], {}
 
     def reorder(w):

@@ -563,7 +563,8 @@ def load_checkpoint(path, device='cpu', state_dict=None):
     load_weights(model, state_dict, path)
     trained_under = ckpt.get('code', {}).get('model.py')
     if trained_under is not None and trained_under != code_digests()['model.py']:
-        warn(f"model.py has changed since {path} was trained: it computes with the new code")
+        warn(f"model.py has changed since the run that trained {path} began: it computes with "
+             f"the new code")
     check_tokenizer(path, cfg, enc)
     default_lenpen(ckpt, path)
     return model.to(device).eval(), enc, ckpt

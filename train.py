@@ -159,6 +159,7 @@ best_bleu = -1.0
 if init_from == 'resume':
     step, epoch, batch_idx, elapsed, best_bleu = checkpoint.resume(
         state, init_path, optimizer, scaler, out_dir, seed, rank, world, device_type, log)
+    code = state.get('code', code)  # the run's, as it began: kept through a resume after an edit
 del state  # its tensors are in the model and optimizer now
 
 

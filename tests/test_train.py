@@ -1265,6 +1265,8 @@ def test_the_same_command_does_not_go_on_with_a_run_begun_under_another_model_py
     assert 'model.py changed since the run began' in err
     res = train(SHARED['run'][0] + ['--init_from=resume'], out, data_dir)  # said: it goes on
     assert 'model.py changed since the run began: the run goes on under the new code' in res.stdout
+    # Its average keeps the digests the run began with: translating it under the edit warns.
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['code']['model.py'] == 'another'
     saved = torch.load(run[0] / 'state_0000006.pt', weights_only=True)['code']
     assert saved == checkpoint.code_digests()  # both files, as this process reads them
 

@@ -254,7 +254,7 @@ def check_outputs(p, args):
 
 def save_average(model, ckpt, paths, path):
     # The tokenizer goes in whole: a path that the checkpoints name may not resolve there.
-    keep = {k: ckpt[k] for k in ('model_cfg', 'step', 'config', 'data_dir') if k in ckpt}
+    keep = {k: ckpt[k] for k in ('model_cfg', 'step', 'config', 'data_dir', 'code') if k in ckpt}
     keep['tokenizer'] = checkpoint.checkpoint_tokenizer(paths[-1], ckpt)
     keep['averaged'] = [os.path.basename(q) for q in paths]
     checkpoint.save_atomic({'model': model.state_dict(), **keep}, path)

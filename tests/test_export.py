@@ -86,6 +86,10 @@ def test_an_edited_model_py_that_ctranslate2_cannot_hold_is_refused(toy, tmp_pat
     assert not os.listdir(tmp_path)
 
 
+def test_the_architecture_check_needs_no_longer_position_table_than_the_model(toy):
+    E.check_architecture(dataclasses.replace(toy['model'].cfg, max_len=4, positions='learned'))
+
+
 def test_float32_export_decodes_as_model_py(toy):
     model, enc, lines = toy['model'], toy['enc'], toy['lines']
     ct2, _ = E.load_ct2(toy['ct2'])

@@ -446,8 +446,9 @@ def test_averaging_is_the_mean_of_the_newest_by_step_of_one_run_saved_loadable_a
     for step in (90, 100, 1000):  # by name, ckpt_90.pt would sort last
         g = torch.Generator().manual_seed(step)
         states[step] = {k: v + torch.randn(v.shape, generator=g) for k, v in base['model'].items()}
-        torch.save({**base, 'model': states[step], 'step': step, 'tokenizer': 'tokenizer.json'},
-                   tmp_path / f'ckpt_{step}.pt')
+        code = {'model.py': f'digest {step}'}  # loading it warns: this model.py is not that
+        torch.save({**base, 'model': states[step], 'step': step, 'tokenizer': 'tokenizer.json',
+                    'code': code}, tmp_path / f'ckpt_{step}.pt')
     torch.save({**base, 'model': states[90]}, tmp_path / 'ckpt_best.pt')  # not a ckpt_STEP.pt
     avg = tmp_path / 'elsewhere' / 'avg.pt'
     avg.parent.mkdir()
@@ -456,6 +457,7 @@ def test_averaging_is_the_mean_of_the_newest_by_step_of_one_run_saved_loadable_a
     # Its tokenizer embedded: the relative path does not resolve there.
     saved = checkpoint.load_checkpoint(str(avg))[2]
     assert saved['averaged'] == ['ckpt_100.pt', 'ckpt_1000.pt'] and saved['step'] == 1000
+    assert saved['code'] == {'model.py': 'digest 1000'}  # the newest's, as its step
     for k, v in saved['model'].items():
         torch.testing.assert_close(v, (states[100][k] + states[1000][k]) / 2)
     tok = {**base['tokenizer'], 'pattern': base['tokenizer']['pattern'] + '|x'}
@@ -568,15 +570,25 @@ def test_packed_weights_decode_as_the_plain_model_and_are_removed_on_exit(toy, m
 def test_packed_weights_follow_an_edited_feed_forward_and_output(monkeypatch):
     # A reader who changes the FFN's activation or the output projection decodes what they wrote.
     m = tiny(n_enc_layers=1, n_dec_layers=1)
-    monkeypatch.setattr(M.FeedForward, 'forward', lambda self, x: self.w2(F.gelu(self.w1(x))))
+    calls = []
+
+    def gelu_ffn(self, x):
+        calls.append(x.shape)
+        return self.w2(F.gelu(self.w1(x)))
+    monkeypatch.setattr(M.FeedForward, 'forward', gelu_ffn)
     monkeypatch.setattr(M.Transformer, 'output', lambda self, x: F.linear(x, self.embed.weight) / 2)
     src, tgt = torch.tensor([[5, 6, 7, 8, 2]]), torch.tensor([[1, 9, 10, 11]])
+    reuse = {}
     with torch.no_grad():
         plain = m(src, tgt)
-        with speed.packed_weights(m):
+        with speed.packed_weights(m, reuse):
             packed = m(src, tgt)
             assert patched(m)  # the Linear layers are still packed
+        checks = len(calls) - 4  # plain's and packed's 2 FFNs each: the rest checked the FFNs
+        with speed.packed_weights(m, reuse):
+            assert len(calls) == 4 + checks  # checked once, as the copies are kept
     torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
+    assert checks == 2
 
 
 @needs_packing

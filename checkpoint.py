@@ -156,11 +156,15 @@ def open_run(out_dir, init_from, overwrite, master, given, defaults):
 
 
 def code_digests():
-    """{name: SHA-256} of CODE_FILES as they are now."""
+    """{name: SHA-256} of CODE_FILES as they are now; a file left out (a serving copy without
+    train.py, say) is not compared."""
     here = os.path.dirname(os.path.abspath(__file__))
     digests = {}
     for name in CODE_FILES:
-        with open(os.path.join(here, name), 'rb') as f:
+        path = os.path.join(here, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, 'rb') as f:
             digests[name] = hashlib.sha256(f.read()).hexdigest()
     return digests
 
@@ -562,7 +566,7 @@ def load_checkpoint(path, device='cpu', state_dict=None):
         state_dict = ckpt['model']
     load_weights(model, state_dict, path)
     trained_under = ckpt.get('code', {}).get('model.py')
-    if trained_under is not None and trained_under != code_digests()['model.py']:
+    if trained_under is not None and trained_under != code_digests().get('model.py'):
         warn(f"model.py has changed since the run that trained {path} began: it computes with "
              f"the new code")
     check_tokenizer(path, cfg, enc)

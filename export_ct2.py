@@ -107,6 +107,12 @@ def set_decoder_layer(s, layer):
     set_norm(s.ffn.layer_norm, layer.norm3)
 
 
+def vocabulary(cfg):
+    """The export's token strings: each id in decimal, but the specials (module docstring)."""
+    names = {cfg.pad_id: '<pad>', cfg.bos_id: '<s>', cfg.eos_id: '</s>'}
+    return [names.get(i, str(i)) for i in range(cfg.vocab_size)]
+
+
 def build_spec(model):
     cfg = model.cfg
     # As from_config builds it (which takes no head_dim): post-norm has no final LayerNorm, as our
@@ -129,8 +135,7 @@ def build_spec(model):
         set_encoder_layer(s, layer)
     for s, layer in zip(dec.layer, model.decoder):
         set_decoder_layer(s, layer)
-    names = {cfg.pad_id: '<pad>', cfg.bos_id: '<s>', cfg.eos_id: '</s>'}
-    vocab = [names.get(i, str(i)) for i in range(cfg.vocab_size)]
+    vocab = vocabulary(cfg)
     spec.register_source_vocabulary(vocab)
     spec.register_target_vocabulary(vocab)  # identical lists: saved once, as shared_vocabulary.json
     c = spec.config
@@ -160,16 +165,15 @@ def check_architecture(cfg):
             p.copy_(0.3 * torch.randn(p.shape, generator=generator))
     src = [5, 6, 7, 8, 9]
     tgt = [10, 11, 12, 13]
-    names = {small.pad_id: '<pad>', small.bos_id: '<s>', small.eos_id: '</s>'}
-    tokens = [names.get(i, str(i)) for i in range(small.vocab_size)]
+    tokens = vocabulary(small)
+    serve = "serve the checkpoint itself, translate.py --ckpt CKPT"
     with tempfile.TemporaryDirectory() as folder:
         try:
             spec = build_spec(model)
             spec.validate()
         except (AttributeError, ValueError) as e:  # a module renamed, or of another shape
             fail(f"this model.py's modules are not those export_ct2.py maps to CTranslate2's "
-                 f"Transformer ({type(e).__name__}: {e}): serve the checkpoint itself, "
-                 f"translate.py --ckpt CKPT")
+                 f"Transformer ({type(e).__name__}: {e}): {serve}")
         spec.optimize(quantization=None)
         spec.save(folder)
         translator = ctranslate2.Translator(folder, device='cpu', compute_type='float32')
@@ -181,8 +185,7 @@ def check_architecture(cfg):
     apart = (ours - torch.tensor(theirs[0].log_probs)).abs().max().item()
     if apart > 1e-3:
         fail(f"this model.py computes what CTranslate2's Transformer cannot hold (a test export "
-             f"scores tokens {apart:.3g} nats apart from it): serve the checkpoint itself, "
-             f"translate.py --ckpt CKPT")
+             f"scores tokens {apart:.3g} nats apart from it): {serve}")
 
 
 def check_replaceable(out, force):

@@ -191,31 +191,32 @@ def batch_plan(data, max_tokens, seed, epoch, shuffle=True, max_len=None):
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def updates(data, max_tokens, seed, world, update_freq, epoch, batch_idx):
-    """-> the updates of world x update_freq batches each from batch_plan's epochs, from batch
-    batch_idx of epoch on. A training set too small for one update is refused here, before any
-    work, not in the thread that will draw the updates (dataset.prefetched)."""
+def updates(data, max_tokens, seed, rank, world, update_freq, epoch, batch_idx, make_batch):
+    """-> the updates from batch batch_idx of epoch on, of world x update_freq batches each from
+    batch_plan's epochs: each the epoch, the next batch_idx, the update's target tokens (+ EOS:
+    what the loss counts) and this rank's batches, made by make_batch(ids) in a background thread
+    while the step before runs. Micro-step m takes batch m * world + rank. The last batches of an
+    epoch that do not fill an update are left out. A training set too small for one update is
+    refused here, before any work, not in that thread."""
     plan = batch_plan(data, max_tokens, seed, epoch)
     n = world * update_freq
     if n > len(plan):
         sys.exit(f"the training set makes {len(plan)} batches of max_tokens={max_tokens}, "
                  f"fewer than the {n} an update needs ({world} process(es) x update_freq "
                  f"{update_freq})")
-    return each_update(data, plan, max_tokens, seed, n, epoch, batch_idx)
-
-
-def each_update(data, plan, max_tokens, seed, n, epoch, batch_idx):
-    """Yields epoch, the next batch_idx, the update's target tokens (+ EOS: what the loss counts)
-    and its n batches. The last batches of an epoch that do not fill an update are left out."""
     tgt_len = np.diff(data[3]) + 1
-    while True:
-        for start in range(batch_idx, len(plan) - n + 1, n):
-            update = plan[start:start + n]
-            ntok = sum(int(tgt_len[ids].sum()) for ids in update)
-            yield epoch, start + n, ntok, update
-        epoch += 1
-        batch_idx = 0
-        plan = batch_plan(data, max_tokens, seed, epoch)
+
+    def each_update(plan, epoch, batch_idx):
+        while True:
+            for start in range(batch_idx, len(plan) - n + 1, n):
+                update = plan[start:start + n]
+                ntok = sum(int(tgt_len[ids].sum()) for ids in update)
+                yield epoch, start + n, ntok, [make_batch(ids) for ids in update[rank::world]]
+            epoch += 1
+            batch_idx = 0
+            plan = batch_plan(data, max_tokens, seed, epoch)
+
+    return prefetched(each_update(plan, epoch, batch_idx))
 
 
 def sources(data, rank, world, max_len, eos_id):

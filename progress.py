@@ -2,7 +2,8 @@
 What train.py reports as it trains: every log_interval steps a line (loss, perplexity, learning
 rate, gradient norm, target tokens/s, time, ETA), the same as a record in out_dir's log.jsonl, and
 the stop after too many non-finite updates in a row. The sums behind the line stay on the device
-between log steps: reading them at each step would make the host wait for a GPU.
+between log steps: reading them at each step would make the host wait for a GPU. Validation
+records are printed and kept the same way.
 """
 import json
 import math
@@ -85,6 +86,15 @@ def reset(sums):
     sums['tokens'] = 0
     for key in ('loss', 'nll', 'worst_run', 'skipped'):  # bad_run: a run spans log steps
         sums[key].zero_()
+
+
+def validation_line(record, out_dir, master):
+    """Rank 0 prints a validation record and appends it to log.jsonl."""
+    if not master:
+        return
+    scores = [f"{key} {value:.4g}" for key, value in record.items() if key != 'step']
+    print(f"step {record['step']} | " + ' | '.join(scores))
+    append(out_dir, record)
 
 
 def append(out_dir, record):

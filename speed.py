@@ -134,12 +134,15 @@ def cpu_dropout(model):
             m.forward = forward.__get__(m)
 
 
-def training_model(model, ddp, master_weights, dtype, checkpoint_activations, compile):
+def training_model(model, ddp, device_type, dtype, master_weights, checkpoint_activations,
+                   compile):
     """-> the model the steps run on, and the loss's chunk function. Under DDP every rank first
     takes rank 0's weights (each drew its own), so a master-weights copy is the same everywhere."""
     if ddp:
         broadcast_weights(model)
     train_model = training_copy(model, master_weights, dtype)
+    if device_type == 'cpu':
+        cpu_dropout(train_model)
     if checkpoint_activations:
         recompute_layers(train_model)
     chunk_fn = M.loss_chunk
@@ -330,6 +333,13 @@ def pack(src, tgt_in, pad_id, size=None, max_len=None):
         rows.append(tokens[None])
         sides.append(Packed(cu, pos, max_len or max(lens)))
     return rows[0], rows[1], slice(0, real[1]), tuple(sides)
+
+
+def pack_batch(batch, pad_id, size, max_len):
+    """A padded batch (src, tgt_in, rows, targets) -> pack's rows of the given size, the targets,
+    and the (source, target) Packed."""
+    src, tgt_in, rows, sides = pack(batch[0], batch[1], pad_id, size, max_len)
+    return [src, tgt_in, rows, batch[3], *sides]
 
 
 def forward(model, src, tgt, rows, sides):

@@ -90,8 +90,8 @@ defaults = {k: globals()[k] for k in config_keys}
 config = configurator.override(dict(defaults), sys.argv[1:])
 globals().update(config)
 configurator.check_ranges(config)
-# the settings as given, before a fine-tune puts its checkpoint's architecture in config, and the
-# code as read: a run goes on only under the command and code that began it (checkpoint.open_run)
+# A run goes on only under the settings (as given: not a fine-tune's architecture) and code that
+# began it
 given_config = dict(config)
 code = checkpoint.code_digests()
 
@@ -115,29 +115,28 @@ problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, 
 if problem:
     sys.exit(problem)
 checkpoint.make_writable(out_dir, 'out_dir')
-# host_group: gloo, for agreements on the host (stop signals) that must not wait for a GPU
+# host_group: gloo, for stop signals, which must not wait for a GPU
 ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes, out_dir)
 torch.manual_seed(seed + rank)
 speed.configure_backends(device_type, dtype, checkpoint_activations)
 # A CUDA graph casts the weights in its replays: autocast must not cache the casts.
 autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != 'float32',
                           cache_enabled=not cuda_graphs)
-# 'auto' resolved by what out_dir holds: 'scratch', 'resume', or the checkpoint to fine-tune
+# init_from 'auto' becomes 'scratch', 'resume' or a checkpoint to fine-tune, by what out_dir holds
 init_from, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
 # -----------------------------------------------------------------------------
-# data: the token files data_prep.py writes
-# tokenizer: its description, saved in each checkpoint; enc: its tiktoken encoding
+# data: the token files data_prep.py writes; tokenizer: saved in each checkpoint; enc: tiktoken's
 meta, tokenizer, enc, valid_ref = dataset.open_prepared(data_dir)
 PAD, BOS, EOS = meta['pad_id'], meta['bos_id'], meta['eos_id']
 train_data = dataset.load_split(data_dir, 'train')
 valid_data = dataset.load_split(data_dir, 'valid')
 
 # -----------------------------------------------------------------------------
-# model and optimizer, from scratch or from the state to resume or the checkpoint to fine-tune
+# model and optimizer: new, or from the state to resume or the checkpoint to fine-tune
 state, init_path, fine_tuned_from = checkpoint.initial_state(init_from, out_dir, config, meta,
                                                               tokenizer, log)
-# Fine-tuning keeps the checkpoint's architecture: read it from model_cfg, not the settings.
+# A fine-tune keeps its checkpoint's architecture: read model_cfg, not the settings.
 model_cfg = checkpoint.model_config(state, fine_tuned_from, config, meta, enc.n_vocab, log)
 problem = speed.check_heads(model_cfg, cuda_graphs)
 if problem:
@@ -146,8 +145,6 @@ dataset.check_sizes(train_data, valid_data, max_tokens, model_cfg.max_len, data_
 raw_model = M.Transformer(model_cfg).to(device)
 if state is not None:
     checkpoint.load_weights(raw_model, state['model'], init_path)
-if device_type == 'cpu':  # dropout masks from rand_like: twice as fast as bernoulli_ on a CPU
-    speed.cpu_dropout(raw_model)
 optimizer = M.configure_optimizer(raw_model, lr=0.0, betas=(beta1, beta2), eps=adam_eps,
                                   weight_decay=weight_decay)  # lr: set at each step
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')
@@ -159,7 +156,7 @@ best_bleu = -1.0
 if init_from == 'resume':
     step, epoch, batch_idx, elapsed, best_bleu = checkpoint.resume(
         state, init_path, optimizer, scaler, out_dir, seed, rank, world, device_type, log)
-    code = state.get('code', code)  # the run's, as it began: kept through a resume after an edit
+    code = state.get('code', code)  # the code the run began with, even after an edit
 del state  # its tensors are in the model and optimizer now
 
 
@@ -172,31 +169,23 @@ def get_batch(data, ids, packed=False):
     """-> src, tgt_in, rows (the real target tokens' rows of the B * T positions), their targets."""
     batch = [torch.from_numpy(x) for x in dataset.collate(data, ids, PAD, BOS, EOS)]
     if packed:  # cuda_graphs: each side one row of a fixed size, left on the host
-        src, tgt_in, rows, sides = speed.pack(batch[0], batch[1], PAD, max_tokens + graph_len,
-                                              graph_len)
-        return [src, tgt_in, rows, batch[3], *sides]
+        return speed.pack_batch(batch, PAD, max_tokens + graph_len, graph_len)
     if device_type == 'cuda':  # pinned: the copy does not wait
         batch = [x.pin_memory() for x in batch]
     return [x.to(device, non_blocking=True) for x in batch]
 
 
-def this_ranks_batches(updates):
-    """Each update with this rank's batches: micro-step m takes batch m * world + rank."""
-    for update_epoch, next_batch, ntok, update in updates:
-        mine = [get_batch(train_data, ids, cuda_graphs) for ids in update[rank::world]]
-        yield update_epoch, next_batch, ntok, mine
-
-
-updates = dataset.updates(train_data, max_tokens, seed, world, update_freq, epoch, batch_idx)
-batches = dataset.prefetched(this_ranks_batches(updates))  # a thread makes them during a step
-# An old run's files go only now that every input loaded.
+# each update's batches for this rank, made by a thread while the step before runs
+batches = dataset.updates(train_data, max_tokens, seed, rank, world, update_freq, epoch, batch_idx,
+                          make_batch=lambda ids: get_batch(train_data, ids, cuda_graphs))
+# An old run's files go only once every input loaded.
 if init_from != 'resume' and run_files:
     checkpoint.remove_run(out_dir, run_files, ddp, master)
 
 # -----------------------------------------------------------------------------
 # the speed paths (docs/performance.md). raw_model: the float32 weights Adam steps; train_model:
-# what the steps run (a bf16 copy with master_weights); model: how it is called
-train_model, chunk_fn = speed.training_model(raw_model, ddp, master_weights, dtype,
+# what steps run (with master_weights, a copy in dtype); model: how they call it
+train_model, chunk_fn = speed.training_model(raw_model, ddp, device_type, dtype, master_weights,
                                               checkpoint_activations, compile)
 model = train_model
 if ddp and not cuda_graphs:  # CUDA graphs all-reduce on their own
@@ -255,10 +244,7 @@ def evaluate(final=False):
             best_bleu = record['valid_bleu']
             save(os.path.join(out_dir, 'ckpt_best.pt'), valid_bleu=best_bleu)
     raw_model.train()
-    scores = [f"{key} {value:.4g}" for key, value in record.items() if key != 'step']
-    log(f"step {step} | " + ' | '.join(scores))
-    if master:
-        progress.append(out_dir, record)
+    progress.validation_line(record, out_dir, master)
 
 
 def save(path, full=False, **extra):
@@ -294,7 +280,7 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
     f"ready {time.time() - _t_process:.1f}s after start")
 t_start = time.time() - elapsed
 t_last = time.time()
-# clock: elapsed as every rank goes by; under DDP agreed at log steps, where the host waits anyway
+# clock: elapsed as every rank goes by; under DDP agreed at log steps, where the host waits
 clock = elapsed
 last_save = elapsed
 sums = progress.new_sums(device)
@@ -312,13 +298,12 @@ while step < max_steps:
             model.require_backward_grad_sync = micro == update_freq - 1
         targets = targets.to(device)  # a packed batch's are on the host
         with step_context:
-            # x: the decoder's states at the real target tokens; the loss projects them with the
-            # shared embedding (section 3.4).
+            # x: the decoder's states at the real targets, projected by the shared embedding (3.4)
             x = model(src, tgt_in, rows, *sides)
             loss, nll = M.label_smoothed_loss(x, train_model.embed.weight, targets,
                                               label_smoothing, chunk_fn)
-        # loss: this micro-batch's sum. Over the update's tokens on every rank, the mean; DDP
-        # averages the gradients over the ranks, so times world.
+        # loss: this micro-batch's sum; / the update's tokens (all ranks) is the mean; x world
+        # undoes DDP's average over the ranks
         scaler.scale(loss * world / ntok_update).backward()
         sums['loss'] += loss.detach()
         sums['nll'] += nll

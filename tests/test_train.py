@@ -937,8 +937,8 @@ def copies_of_rank(rank, port, out):
     for master_weights in (False, True):
         torch.manual_seed(rank)  # as train.py: each rank draws its own initialisation
         model = M.Transformer(cfg)
-        train_model, _ = speed.training_model(model, True, master_weights, 'bfloat16', False,
-                                              False)
+        train_model, _ = speed.training_model(model, True, 'cpu', 'bfloat16', master_weights,
+                                              False, False)
         weights = [p.detach().clone() for p in train_model.parameters()]
         torch.save(weights, f'{out}.{master_weights}.{rank}')
     torch.distributed.destroy_process_group()

@@ -122,7 +122,7 @@ def catch_stop_signals():
     signal.signal(signal.SIGINT, ask_to_stop)
 
 
-def stop_at_once(when, master):
+def signals_stop_at_once(when, master):
     """After the loop: a stop signal (or one that came since the last step's check) ends the run
     at once, in rank 0's line (another rank's leaving ends rank 0's next collective, in its
     line); the same command averages and evaluates again."""

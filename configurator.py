@@ -22,6 +22,18 @@ def set_setting(config, key, value, where):
     config[key] = value
 
 
+def configure(settings, args):
+    """A script's globals -> (its settings: the values of plain types whose names do not start with
+    '_', its config: config files and then --key=value over them, checked against RANGES)."""
+    defaults = {}
+    for key, value in settings.items():
+        if not key.startswith('_') and isinstance(value, (int, float, bool, str)):
+            defaults[key] = value
+    config = override(dict(defaults), args)
+    check_ranges(config)
+    return defaults, config
+
+
 def override(config, args):
     """Config files first, each executed over the settings so far (it may read them,
     d_ff = 4 * d_model, and import), then each --key=value parsed as a Python literal."""

@@ -62,27 +62,26 @@ def resolve_device(device, dtype, log):
 
 def check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
                    checkpoint_activations):
-    """-> what makes these speed settings fail (dtype already resolved from 'auto'), or None."""
+    """Stops with one line on speed settings that cannot work (dtype resolved from 'auto')."""
     if dtype == 'float16' and device_type == 'cpu':
-        return "dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on a CPU"
+        sys.exit("dtype='float16' needs a GPU; use 'bfloat16' or 'float32' on a CPU")
     if master_weights and dtype == 'float32':
-        return "master_weights must be False with dtype float32 (dtype='auto' gives float32 here)"
+        sys.exit("master_weights must be False with dtype float32 "
+                 "(dtype='auto' gives float32 here)")
     if not cuda_graphs:
-        return None
+        return
     if device_type != 'cuda' or dtype == 'float32' or update_freq > 1 or checkpoint_activations:
-        return ("cuda_graphs needs a GPU, dtype bfloat16 or float16, update_freq=1, "
-                "no checkpoint_activations")
-    return None
+        sys.exit("cuda_graphs needs a GPU, dtype bfloat16 or float16, update_freq=1, "
+                 "no checkpoint_activations")
 
 
 def check_heads(cfg, cuda_graphs):
-    """-> what makes the model's heads fail cuda_graphs, or None. The model's: a fine-tuned one has
-    its checkpoint's, known only once it is read."""
+    """Stops with one line if the model's heads cannot run cuda_graphs. The model's: a fine-tuned
+    one has its checkpoint's, known only once it is read."""
     head_size = cfg.d_head or cfg.d_model // cfg.n_heads
     if cuda_graphs and (head_size % 8 != 0 or head_size > 256):  # flash attention's varlen kernel
-        return (f"cuda_graphs needs a head size (d_head, or d_model / n_heads) that is a multiple "
-                f"of 8 and at most 256, got {head_size}")
-    return None
+        sys.exit(f"cuda_graphs needs a head size (d_head, or d_model / n_heads) that is a multiple "
+                 f"of 8 and at most 256, got {head_size}")
 
 
 def graph_length(longest_pair, max_len):

@@ -26,7 +26,7 @@ import model as M
 import progress
 import speed
 
-_t_process = time.time()  # '_': not a setting
+_t_process = time.time()  # a leading '_': not a setting
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -83,15 +83,11 @@ seed = 1337
 max_bad_steps = 20     # non-finite updates in a row before giving up (seen at log steps)
 ddp_timeout_minutes = 60.0  # a rank's wait in a collective (NCCL's default, 10, is short)
 # -----------------------------------------------------------------------------
-# the configurator: a config file, then --key=value, override the settings above
-config_keys = [k for k, v in globals().items()
-               if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-defaults = {k: globals()[k] for k in config_keys}
-config = configurator.override(dict(defaults), sys.argv[1:])
+# the configurator: config files, then --key=value, override the settings above
+defaults, config = configurator.configure(globals(), sys.argv[1:])
 globals().update(config)
-configurator.check_ranges(config)
-# A run goes on only under the settings (as given: not a fine-tune's architecture) and code that
-# began it
+# The settings as given and the code as read: the same command goes on with a run only if both
+# match the run's (a fine-tune's architecture replaces the settings' in config later on).
 given_config = dict(config)
 code = checkpoint.code_digests()
 
@@ -110,10 +106,8 @@ for warning in configurator.unread_settings(config, defaults):
 
 device, dtype = speed.resolve_device(device, dtype, log)
 device_type = device.split(':')[0]
-problem = speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
-                               checkpoint_activations)
-if problem:
-    sys.exit(problem)
+speed.check_settings(device_type, dtype, cuda_graphs, master_weights, update_freq,
+                     checkpoint_activations)
 checkpoint.make_writable(out_dir, 'out_dir')
 # host_group: gloo, for stop signals, which must not wait for a GPU
 ddp, rank, world, device, host_group = cluster.start(device, ddp_timeout_minutes, out_dir)
@@ -126,7 +120,8 @@ autocast = torch.autocast(device_type, getattr(torch, dtype), enabled=dtype != '
 init_from, run_files = checkpoint.open_run(out_dir, init_from, overwrite, master, config, defaults)
 
 # -----------------------------------------------------------------------------
-# data: the token files data_prep.py writes; tokenizer: saved in each checkpoint; enc: tiktoken's
+# data: the token files data_prep.py writes; tokenizer: its description, kept in each checkpoint;
+# enc: its tiktoken encoding; valid_ref: the validation references for BLEU
 meta, tokenizer, enc, valid_ref = dataset.open_prepared(data_dir)
 PAD, BOS, EOS = meta['pad_id'], meta['bos_id'], meta['eos_id']
 train_data = dataset.load_split(data_dir, 'train')
@@ -138,9 +133,7 @@ state, init_path, fine_tuned_from = checkpoint.initial_state(init_from, out_dir,
                                                               tokenizer, log)
 # A fine-tune keeps its checkpoint's architecture: read model_cfg, not the settings.
 model_cfg = checkpoint.model_config(state, fine_tuned_from, config, meta, enc.n_vocab, log)
-problem = speed.check_heads(model_cfg, cuda_graphs)
-if problem:
-    sys.exit(problem)
+speed.check_heads(model_cfg, cuda_graphs)
 dataset.check_sizes(train_data, valid_data, max_tokens, model_cfg.max_len, data_dir, log)
 raw_model = M.Transformer(model_cfg).to(device)
 if state is not None:
@@ -166,7 +159,8 @@ if cuda_graphs:
 
 
 def get_batch(data, ids, packed=False):
-    """-> src, tgt_in, rows (the real target tokens' rows of the B * T positions), their targets."""
+    """-> src, tgt_in, rows (the real target tokens' rows of the B * T positions), their targets;
+    packed: then also each side's Packed, where its sentences lie in its row."""
     batch = [torch.from_numpy(x) for x in dataset.collate(data, ids, PAD, BOS, EOS)]
     if packed:  # cuda_graphs: each side one row of a fixed size, left on the host
         return speed.pack_batch(batch, PAD, max_tokens + graph_len, graph_len)
@@ -356,7 +350,8 @@ while step < max_steps:
 
 # -----------------------------------------------------------------------------
 # Section 6.1: the reported models average the last checkpoints
-cluster.stop_at_once(f"after the last step ({step}), averaging or evaluating", master)
+# From here a stop signal ends the run at once: the same command averages and evaluates again.
+cluster.signals_stop_at_once(f"after the last step ({step}), averaging or evaluating", master)
 newest = checkpoint.checkpoints(out_dir)[-average_last:]
 raw_model.load_state_dict(checkpoint.average_checkpoints(newest))
 save(os.path.join(out_dir, 'ckpt.pt'))

@@ -215,7 +215,7 @@ GRAPHS_MOCKED = ("import runpy, sys, torch, speed\n"
                  "runpy.run_path('train.py', run_name='__main__')\n")
 HEADS_CHECKED = ("import runpy, sys, speed\n"
                  "def refuse(cfg, cuda_graphs):  # with the head size it is given\n"
-                 "    return f'head size {cfg.d_head or cfg.d_model // cfg.n_heads}'\n"
+                 "    sys.exit(f'head size {cfg.d_head or cfg.d_model // cfg.n_heads}')\n"
                  "speed.check_heads = refuse\n"
                  "sys.argv = sys.argv[1:]\n"
                  "runpy.run_path('train.py', run_name='__main__')\n")
@@ -641,16 +641,17 @@ def test_resume_with_another_update_freq_continues_at_the_next_batch(resumed):
 
 
 def load_settings():
-    """train.py's settings and their defaults, read from its source (they end at config_keys)."""
+    """train.py's settings and their defaults, read from its source (they end where the
+    configurator's `defaults, config = ...` reads them)."""
     with open(os.path.join(HERE, 'train.py')) as f:
         tree = ast.parse(f.read())
     settings = {}
     for node in tree.body:
-        if not isinstance(node, ast.Assign) or not isinstance(node.targets[0], ast.Name):
+        if not isinstance(node, ast.Assign):
             continue
-        name = node.targets[0].id
-        if name == 'config_keys':
+        if not isinstance(node.targets[0], ast.Name):
             break
+        name = node.targets[0].id
         if not name.startswith('_'):
             settings[name] = ast.literal_eval(node.value)
     return settings
@@ -692,9 +693,10 @@ def test_bad_settings_missing_data_and_too_small_sizes_are_one_line_errors_befor
     smallest = dataset.pair_sizes(splits[0]).min()
     message = in_process_refusal(dataset.check_sizes, *splits, smallest - 1, 1024, data_dir, print)
     assert f'raise it to at least {smallest}' in message
-    problem = speed.check_settings('cpu', 'float32', True, False, 1, False)
+    problem = in_process_refusal(speed.check_settings, 'cpu', 'float32', True, False, 1, False)
     assert 'cuda_graphs needs a GPU' in problem
-    problem = speed.check_settings('cpu', 'float32', False, True, 1, False)  # TINY's dtype
+    # TINY's dtype
+    problem = in_process_refusal(speed.check_settings, 'cpu', 'float32', False, True, 1, False)
     assert 'master_weights must be False with dtype float32' in problem
     (err,) = refused((['--max_len=8'], tmp_path, data_dir))
     assert 'max_len=8' in err
@@ -966,11 +968,11 @@ def test_every_rank_steps_from_rank_0s_weights_with_or_without_master_weights(ma
 
 
 def test_cuda_graphs_head_sizes_outside_flash_attentions_are_refused():
-    def problem(head_size):
+    def check(head_size):
         return speed.check_heads(M.Config(d_model=512, n_heads=1, d_head=head_size), True)
-    assert problem(64) is None and problem(256) is None
+    assert check(64) is None and check(256) is None
     for head_size in (512, 12, 4):  # Table 3 row A at h=1 is 512
-        assert 'multiple of 8 and at most 256' in problem(head_size)
+        assert 'multiple of 8 and at most 256' in in_process_refusal(check, head_size)
     assert speed.check_heads(M.Config(d_model=512, n_heads=1), False) is None
 
 
@@ -1169,7 +1171,7 @@ def test_a_stop_signal_after_the_last_step_ends_the_run_at_once_in_one_line(monk
     monkeypatch.setattr(cluster, 'exit_now', sys.exit)
     monkeypatch.setitem(cluster.stop, 'signal', None)
     when = 'after the last step (6), averaging or evaluating'
-    cluster.stop_at_once(when, True)
+    cluster.signals_stop_at_once(when, True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         with pytest.raises(SystemExit) as stopped:
             handlers[sig](sig, None)
@@ -1179,7 +1181,7 @@ def test_a_stop_signal_after_the_last_step_ends_the_run_at_once_in_one_line(monk
                      for name in ('SIGTERM', 'SIGINT')]
     # A signal that came after the last step's check ends it at once too; other ranks say nothing.
     with pytest.raises(SystemExit):
-        cluster.stop_at_once(when, False)
+        cluster.signals_stop_at_once(when, False)
     assert capsys.readouterr().err == ''
 
 

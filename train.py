@@ -274,8 +274,7 @@ log(f"model: {raw_model.num_params() / 1e6:.2f}M parameters; {world} process(es)
     f"ready {time.time() - _t_process:.1f}s after start")
 t_start = time.time() - elapsed
 t_last = time.time()
-# clock: elapsed as every rank goes by; under DDP agreed at log steps, where the host waits
-clock = elapsed
+clock = elapsed  # under DDP the ranks agree on it at log steps, where the host waits anyway
 last_save = elapsed
 sums = progress.new_sums(device)
 if max_minutes > 0 and elapsed > max_minutes * 60:  # resumed with the time used up
@@ -317,25 +316,28 @@ while step < max_steps:
         speed.weights_to_copy(raw_model, train_model)
     progress.count_update(sums, ntok_update, bad)
 
-    # log, evaluate, save
+    # the time budget, by the clock every rank goes by (under DDP, agreed at log steps)
     elapsed = time.time() - t_start
     log_step = step % log_interval == 0 or step == max_steps
     if not ddp:
         clock = elapsed
     elif log_step:
         clock = progress.agree(sums, elapsed)
-    if max_minutes > 0 and clock > max_minutes * 60:  # under DDP, decided at a log step
+    if max_minutes > 0 and clock > max_minutes * 60:
         log(f"max_minutes={max_minutes} reached at step {step}")
-        max_steps = step
+        max_steps = step  # this step is the last
         log_step = True
+
+    # log, evaluate, save
     if log_step:
         eta = progress.time_left(step, max_steps, elapsed, max_minutes)
         progress.report(sums, out_dir, master, max_bad_steps, step=step, epoch=epoch, lr=lr_now,
                         grad_norm=grad_norm, elapsed=elapsed, eta=eta,
                         interval=time.time() - t_last)
-    # The last step is evaluated after the averaging below.
+    # the last step is evaluated after the averaging below
     if (every(eval_interval) or every(bleu_interval)) and step != max_steps:
         evaluate()
+    # save: every save_interval steps or save_minutes, at the last step, and on a stop signal
     save_due = every(save_interval)
     if save_minutes > 0 and clock - last_save > save_minutes * 60:
         save_due = True
